@@ -92,7 +92,7 @@ struct Fp16Format {
     if (mag > 0x7F800000u) return canonical_nan16;
     if (mag >= 0x477FF000u) return static_cast<std::uint16_t>(sign | 0x7C00u);  // >= 65520: Inf
     const std::uint32_t exp = mag >> 23;
-    if (exp >= 113) {  // normal binary16 result (|x| >= 2^-14)
+    if (exp >= 113) {                                    // normal binary16 result (|x| >= 2^-14)
       const std::uint32_t rebased = mag - (112u << 23);  // re-bias the exponent from 127 to 15
       const std::uint32_t lsb = (rebased >> 13) & 1u;
       return static_cast<std::uint16_t>(sign | ((rebased + 0xFFFu + lsb) >> 13));
@@ -158,9 +158,17 @@ concept storage_format = requires(float x, std::uint16_t b) {
 static_assert(storage_format<Bf16Format>);
 static_assert(storage_format<Fp16Format>);
 
-DTE_HOST_DEVICE inline std::uint16_t round_bf16(float x) noexcept { return Bf16Format::round(x); }
-DTE_HOST_DEVICE inline std::uint16_t round_fp16(float x) noexcept { return Fp16Format::round(x); }
-DTE_HOST_DEVICE inline float bf16_to_float(std::uint16_t b) noexcept { return Bf16Format::widen(b); }
-DTE_HOST_DEVICE inline float fp16_to_float(std::uint16_t h) noexcept { return Fp16Format::widen(h); }
+DTE_HOST_DEVICE inline std::uint16_t round_bf16(float x) noexcept {
+  return Bf16Format::round(x);
+}
+DTE_HOST_DEVICE inline std::uint16_t round_fp16(float x) noexcept {
+  return Fp16Format::round(x);
+}
+DTE_HOST_DEVICE inline float bf16_to_float(std::uint16_t b) noexcept {
+  return Bf16Format::widen(b);
+}
+DTE_HOST_DEVICE inline float fp16_to_float(std::uint16_t h) noexcept {
+  return Fp16Format::widen(h);
+}
 
 }  // namespace dte

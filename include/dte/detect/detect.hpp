@@ -1,0 +1,57 @@
+// SPDX-License-Identifier: Apache-2.0
+// ChangeDetector policies: did an element's inference-visible 16-bit value change?
+//
+// Changed iff the bit patterns of round(current) and round(previous) differ (never a float
+// compare: +0/-0 differ, NaN == NaN), or the previous value is only known to within an error
+// bound that reaches past the edge of its rounding interval (the guard band). The guard band
+// makes a reconstruction error unable to hide a real change: it may add elements, never drop one.
+#pragma once
+
+#include <cstdint>
+
+#include "dte/concepts.hpp"
+#include "dte/config.hpp"
+#include "dte/numeric/round.hpp"
+#include "dte/optim/reconstruction.hpp"
+
+namespace dte {
+
+template <storage_format F>
+struct BasicDetect {
+  using change_detector_tag = void;
+  using format = F;
+
+  // The bits receivers store for a value.
+  DTE_HOST_DEVICE static std::uint16_t store(float x) noexcept { return F::round(x); }
+
+  DTE_HOST_DEVICE static Verdict classify(float current, const Reconstruction& prev) noexcept {
+    const std::uint16_t now = F::round(current);
+    const std::uint16_t before = F::round(prev.value);
+    if (now != before) return Verdict::changed;
+    if (prev.error == 0.0f) return Verdict::unchanged;  // bit-exact previous value
+    // Not finite: no interval to reason about.
+    if (!((float_bits(prev.value) & 0x7FFFFFFFu) < 0x7F800000u) ||
+        !((float_bits(prev.error) & 0x7FFFFFFFu) < 0x7F800000u)) {
+      return Verdict::guard;
+    }
+    const RoundingInterval iv = F::interval(before);
+    // value and the interval ends lie in one rounding interval, so these differences are exact
+    // (Sterbenz, or both subnormal). Strict: a value exactly error away may sit on the edge.
+    const bool lower_ok =
+        (prev.value - iv.lo > prev.error) || (prev.sign_exact && float_bits(iv.lo) == 0x00000000u);
+    const bool upper_ok =
+        (iv.hi - prev.value > prev.error) || (prev.sign_exact && float_bits(iv.hi) == 0x80000000u);
+    return lower_ok && upper_ok ? Verdict::unchanged : Verdict::guard;
+  }
+
+  DTE_HOST_DEVICE static bool changed(float current, const Reconstruction& prev) noexcept {
+    return classify(current, prev) != Verdict::unchanged;
+  }
+};
+
+using BF16Detect = BasicDetect<Bf16Format>;
+using FP16Detect = BasicDetect<Fp16Format>;
+static_assert(change_detector<BF16Detect>);
+static_assert(change_detector<FP16Detect>);
+
+}  // namespace dte

@@ -1,0 +1,46 @@
+// SPDX-License-Identifier: Apache-2.0
+// What an OptimizerInverse returns for one element, and the constants of its error model.
+// The derivation of every constant is in docs/math.md.
+#pragma once
+
+#include <cstdint>
+
+#include "dte/config.hpp"
+#include "dte/numeric/round.hpp"
+
+#if defined(__FAST_MATH__) || defined(__USE_FAST_MATH__)
+#error \
+    "dte: fast-math changes FP32 rounding, square roots and NaN tests; the error bounds of the optimizer inverses assume IEEE arithmetic. Compile dte code without -ffast-math / --use_fast_math."
+#endif
+
+namespace dte {
+
+// The previous value of one element as reconstructed from optimizer state.
+//
+// Contract: the value the element held before the step, p0, satisfies |p0 - value| <= error.
+// error == 0 means value IS p0, bit for bit (sign of zero included). When sign_exact is true,
+// p0 also has the sign bit of value even where the interval [value - error, value + error]
+// reaches across zero (this matters only for the two zero buckets of a 16-bit format).
+struct Reconstruction {
+  float value;
+  float error;
+  bool sign_exact = false;
+};
+
+// What a ChangeDetector decides for one element.
+enum class Verdict : std::uint8_t {
+  unchanged = 0,
+  changed = 1,  // the rounded values differ
+  guard = 2,    // same rounded value, but too close to a rounding boundary to be sure
+};
+
+namespace detail {
+
+// Unit roundoff of FP32 round-to-nearest: |fl(x op y) - x op y| <= u |x op y| (normal range).
+inline constexpr double unit_roundoff = 1.0 / 16777216.0;  // 2^-24
+// Smallest positive FP32 subnormal; every underflowing multiply, divide or square root is off by
+// at most half of it in absolute terms.
+inline constexpr double min_subnormal = 1.4012984643248171e-45;  // 2^-149
+
+}  // namespace detail
+}  // namespace dte

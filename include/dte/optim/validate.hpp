@@ -1,0 +1,79 @@
+// SPDX-License-Identifier: Apache-2.0
+// Checks shared by the optimizer inverses. Every one runs before anything is computed or
+// published, and throws with what is wrong, where (tensor, index, value) and what to do.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <sstream>
+#include <string>
+#include <string_view>
+
+#include "dte/error.hpp"
+
+namespace dte::detail {
+
+inline std::string tensor_label(std::string_view tensor) {
+  return tensor.empty() ? std::string("the shard") : "tensor '" + std::string(tensor) + "'";
+}
+
+inline std::string format_value(double x) {
+  std::ostringstream os;
+  os.precision(9);
+  os << x;
+  return os.str();
+}
+
+// theta, exp_avg, ... must have the same number of elements as the parameter shard.
+inline void require_same_length(std::string_view policy, std::string_view tensor,
+                                std::string_view ref_name, std::size_t ref_size,
+                                std::string_view name, std::size_t size) {
+  if (size == ref_size) return;
+  throw invalid_argument(std::string(policy) + ": length mismatch for " + tensor_label(tensor) +
+                         ": " + std::string(ref_name) + " has " + std::to_string(ref_size) +
+                         " elements but " + std::string(name) + " has " + std::to_string(size) +
+                         "; pass the optimizer state of the same parameter shard, element for "
+                         "element");
+}
+
+// Refuses NaN and +-Inf, reporting how many there are and the first one.
+inline void require_finite(std::string_view policy, std::string_view tensor, std::string_view name,
+                           std::span<const float> values) {
+  std::size_t count = 0;
+  DTE_OMP(parallel for reduction(+ : count) schedule(static))
+  for (std::size_t i = 0; i < values.size(); ++i)
+    count += std::isfinite(values[i]) ? 0 : 1;
+  if (count == 0) return;
+  std::size_t first = 0;
+  while (std::isfinite(values[first]))
+    ++first;
+  throw invalid_argument(std::string(policy) + ": " + std::string(name) + " of " +
+                         tensor_label(tensor) + " has " + std::to_string(count) +
+                         " non-finite value(s) (NaN or Inf), the first at index " +
+                         std::to_string(first) + " (" + format_value(values[first]) +
+                         "); refusing to publish this step: fix the training step (loss scaling, "
+                         "gradient clipping) or skip this publication");
+}
+
+// Adam's second moment is an average of squares: a negative entry means corrupted state.
+inline void require_non_negative(std::string_view policy, std::string_view tensor,
+                                 std::string_view name, std::span<const float> values) {
+  std::size_t count = 0;
+  DTE_OMP(parallel for reduction(+ : count) schedule(static))
+  for (std::size_t i = 0; i < values.size(); ++i)
+    count += values[i] < 0.0f ? 1 : 0;
+  if (count == 0) return;
+  std::size_t first = 0;
+  while (!(values[first] < 0.0f))
+    ++first;
+  throw invalid_argument(std::string(policy) + ": " + std::string(name) + " of " +
+                         tensor_label(tensor) + " has " + std::to_string(count) +
+                         " negative value(s), the first at index " + std::to_string(first) + " (" +
+                         format_value(values[first]) +
+                         "); a second moment is an average of squares and cannot be negative: "
+                         "pass the optimizer's state unchanged");
+}
+
+}  // namespace dte::detail

@@ -1,0 +1,123 @@
+// SPDX-License-Identifier: Apache-2.0
+// The change detectors, and the contract every optimizer inverse must honour:
+// |theta_prev - value| <= error, error == 0 only when exact.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "dte/detect/detect.hpp"
+#include "dte/optim/adam.hpp"
+#include "dte/optim/sgd.hpp"
+#include "dte/optim/snapshot.hpp"
+
+using dte::bits_float;
+using dte::Reconstruction;
+using dte::Verdict;
+
+TEST_CASE_TEMPLATE("detector conformance", D, dte::BF16Detect, dte::FP16Detect) {
+  using F = typename D::format;
+  SUBCASE("an exact previous value decides by bit pattern alone") {
+    CHECK(D::classify(1.0f, {1.0f, 0.0f}) == Verdict::unchanged);
+    CHECK(D::classify(1.5f, {1.0f, 0.0f}) == Verdict::changed);
+    CHECK(D::classify(0.0f, {-0.0f, 0.0f}) == Verdict::changed);  // +0 and -0 differ in bits
+    CHECK(D::classify(-0.0f, {-0.0f, 0.0f}) == Verdict::unchanged);
+  }
+  SUBCASE("the guard band flags values within the error of a rounding boundary") {
+    const std::uint16_t one = F::round(1.0f);
+    const dte::RoundingInterval iv = F::interval(one);
+    const float near_hi = std::nextafter(iv.hi, 0.0f);  // one ulp inside the upper boundary
+    CHECK(D::classify(1.0f, {near_hi, 1e-6f}) == Verdict::guard);
+    CHECK(D::classify(1.0f, {near_hi, 1e-8f}) == Verdict::unchanged);  // one ulp is 1.2e-7
+    CHECK(D::classify(1.0f, {1.0f, 1e-9f}) == Verdict::unchanged);
+    CHECK(D::classify(1.0f, {iv.lo, 1e-30f}) == Verdict::guard);  // on the lower boundary
+    CHECK(D::changed(1.0f, {iv.lo, 1e-30f}));
+    CHECK_FALSE(D::changed(1.0f, {1.0f, 1e-9f}));
+  }
+  SUBCASE("zeros: the sign is uncertain unless the inverse vouches for it") {
+    const float tiny = bits_float(1u);  // 2^-149
+    CHECK(D::classify(0.0f, {0.0f, tiny, false}) == Verdict::guard);
+    CHECK(D::classify(0.0f, {0.0f, tiny, true}) == Verdict::unchanged);
+    CHECK(D::classify(-0.0f, {-0.0f, tiny, true}) == Verdict::unchanged);
+    CHECK(D::classify(-0.0f, {-0.0f, tiny, false}) == Verdict::guard);
+  }
+  SUBCASE("non-finite reconstructions are always flagged") {
+    const float inf = std::numeric_limits<float>::infinity();
+    CHECK(D::classify(1.0f, {1.0f, inf}) == Verdict::guard);
+    CHECK(D::classify(1.0f, {1.0f, std::nanf("")}) == Verdict::guard);
+  }
+}
+
+TEST_CASE("Adam inverses: zero weights with zero moments") {
+  std::vector<float> theta{0.0f, 0.0f, -0.0f, 0.0f};
+  std::vector<float> m{0.0f, -0.0f, 0.0f, 1e-3f};
+  std::vector<float> v{0.0f, 0.0f, 0.0f, 1e-6f};
+  const auto k =
+      dte::AdamWInverse::bind({.lr = 1e-5, .weight_decay = 0.1, .step = 1}, theta, {m, v});
+  CHECK(dte::BF16Detect::classify(k.current(0), k(0)) == Verdict::unchanged);
+  // m = -0: theta_prev may have been -0, flipped by x - (-0); must be flagged.
+  CHECK(dte::BF16Detect::classify(k.current(1), k(1)) == Verdict::guard);
+  CHECK(dte::BF16Detect::classify(k.current(2), k(2)) == Verdict::unchanged);
+  // A real update on a zero weight: previous was 1e-5-ish, clearly changed.
+  CHECK(dte::BF16Detect::classify(k.current(3), k(3)) == Verdict::changed);
+}
+
+namespace {
+
+// One forward step in FP64 (then rounded once), the least noisy forward there is, so the test
+// checks the inverse's own rounding and the bound, element by element.
+void check_bound_contains_truth(auto bind_and_step) {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> w(0.0f, 0.02f);
+  std::student_t_distribution<float> g(2.0f);
+  int violations = 0;
+  for (int i = 0; i < 200000; ++i) {
+    const float p0 = i % 10 == 0 ? 1.0f + w(rng) : w(rng);
+    const float grad = 1e-3f * g(rng);
+    const auto [prev_true, r] = bind_and_step(p0, grad);
+    if (!(std::fabs(static_cast<double>(prev_true) - r.value) <= r.error)) ++violations;
+  }
+  CHECK(violations == 0);
+}
+
+}  // namespace
+
+TEST_CASE("AdamWInverse: the error bound contains the true previous value") {
+  check_bound_contains_truth([](float p0, float grad) {
+    const dte::AdamHyperparameters h{.lr = 3e-5, .weight_decay = 0.1, .step = 1};
+    const double bc1 = 1 - h.beta1, bc2 = 1 - h.beta2;
+    const float m = static_cast<float>((1 - h.beta1) * grad);
+    const float v = static_cast<float>((1 - h.beta2) * double(grad) * grad);
+    const double upd = h.lr * (m / bc1) / (std::sqrt(v / bc2) + h.eps);
+    const float p = static_cast<float>(p0 * (1 - h.lr * h.weight_decay) - upd);
+    const std::vector<float> th{p}, mm{m}, vv{v};
+    const auto k = dte::AdamWInverse::bind(h, th, {mm, vv});
+    return std::pair{p0, k(0)};
+  });
+}
+
+TEST_CASE("SgdMomentumInverse: the error bound contains the true previous value") {
+  check_bound_contains_truth([](float p0, float grad) {
+    const dte::SgdHyperparameters h{.lr = 0.01, .momentum = 0.9};
+    const float buf = grad;
+    const float p = static_cast<float>(p0 - h.lr * buf);
+    const std::vector<float> th{p}, bb{buf};
+    const auto k = dte::SgdMomentumInverse::bind(h, th, {bb});
+    return std::pair{p0, k(0)};
+  });
+}
+
+TEST_CASE("SnapshotBase is exact and flags exactly the changed elements") {
+  std::vector<float> before{1.0f, 0.02f, -0.0f, 3.0f};
+  dte::SnapshotBase::Shadow shadow(before);
+  CHECK(shadow.bytes() == 8);
+  std::vector<float> after{1.0f, 0.0201f, 0.0f, 3.0f + 1e-6f};
+  const auto k = dte::SnapshotBase::bind({}, after, shadow.view());
+  CHECK(k(0).error == 0.0f);
+  CHECK_FALSE(dte::BF16Detect::changed(k.current(0), k(0)));
+  CHECK(dte::BF16Detect::changed(k.current(1), k(1)));
+  CHECK(dte::BF16Detect::changed(k.current(2), k(2)));  // -0 -> +0 is a change in bits
+  CHECK_FALSE(dte::BF16Detect::changed(k.current(3), k(3)));
+}
