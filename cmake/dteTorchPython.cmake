@@ -1,0 +1,21 @@
+# SPDX-License-Identifier: Apache-2.0
+# DTE_TORCH_PYTHON: a Python 3 that can `import torch`, for the oracle tests only. Debian's
+# python3-torch installs into /usr/bin/python3, which may not be the python3 first on PATH.
+if(DTE_TORCH_PYTHON)
+  return()
+endif()
+set(_candidates /usr/bin/python3)
+find_program(_path_python3 python3)
+if(_path_python3)
+  list(APPEND _candidates "${_path_python3}")
+endif()
+set(DTE_TORCH_PYTHON "")
+foreach(py IN LISTS _candidates)
+  execute_process(COMMAND ${py} -c "import torch" RESULT_VARIABLE rc OUTPUT_QUIET ERROR_QUIET)
+  if(rc EQUAL 0)
+    set(DTE_TORCH_PYTHON "${py}")
+    break()
+  endif()
+endforeach()
+set(DTE_TORCH_PYTHON "${DTE_TORCH_PYTHON}" CACHE FILEPATH "Python 3 with torch, for oracle tests")
+message(STATUS "dte: Python with torch for oracle tests: ${DTE_TORCH_PYTHON}")
