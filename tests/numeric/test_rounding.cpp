@@ -104,4 +104,7 @@ TEST_CASE("the zero intervals are split by sign") {
   const auto inf = dte::Bf16Format::interval(0x7F80);
   CHECK(float_bits(inf.lo) == 0x7F7F8000u);
   CHECK(std::isinf(inf.hi));
+  const auto half_inf = dte::Fp16Format::interval(0x7C00);
+  CHECK(half_inf.lo == 65520.0f);
+  CHECK(dte::Fp16Format::interval(0xFC00).hi == -65520.0f);
 }

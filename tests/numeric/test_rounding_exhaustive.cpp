@@ -7,9 +7,11 @@
 #include <doctest/doctest.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <ios>
 #include <limits>
+#include <string>
 
 #include "dte/numeric/round.hpp"
 
@@ -27,6 +29,12 @@ std::uint16_t cuda_fp16(float x) {
   std::uint16_t u;
   std::memcpy(&u, &h, sizeof u);
   return u;
+}
+
+std::string hex(std::uint64_t x) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "0x%08llx", static_cast<unsigned long long>(x));
+  return buf;
 }
 
 struct Mismatches {
@@ -66,7 +74,7 @@ TEST_CASE("bf16 rounding equals CUDA __float2bfloat16_rn on all 2^32 inputs") {
     const float x = dte::bits_float(u);
     return dte::round_bf16(x) != cuda_bf16(x);
   });
-  INFO("first mismatching input bits: 0x" << std::hex << m.first);
+  INFO("mismatches: " << m.count << ", first input bits: " << hex(m.first));
   CHECK(m.count == 0);
 }
 
@@ -75,15 +83,15 @@ TEST_CASE("fp16 rounding equals CUDA __float2half_rn on all 2^32 inputs") {
     const float x = dte::bits_float(u);
     return dte::round_fp16(x) != cuda_fp16(x);
   });
-  INFO("first mismatching input bits: 0x" << std::hex << m.first);
+  INFO("mismatches: " << m.count << ", first input bits: " << hex(m.first));
   CHECK(m.count == 0);
 }
 
 TEST_CASE("every FP32 value lies in the rounding interval of its bf16 and fp16 result") {
   const Mismatches bf = scan_all(outside_interval<dte::Bf16Format>);
-  INFO("bf16: first input outside its interval: 0x" << std::hex << bf.first);
+  INFO("bf16: " << bf.count << " outside, first input bits: " << hex(bf.first));
   CHECK(bf.count == 0);
   const Mismatches fp = scan_all(outside_interval<dte::Fp16Format>);
-  INFO("fp16: first input outside its interval: 0x" << std::hex << fp.first);
+  INFO("fp16: " << fp.count << " outside, first input bits: " << hex(fp.first));
   CHECK(fp.count == 0);
 }

@@ -129,6 +129,8 @@ struct Fp16Format {
     // Midpoints between neighbouring binary16 values need 12 significant bits: exact in FP32.
     if (mag == 0) {
       lo = 0.0f;
+    } else if (mag == 0x7C00u) {
+      lo = 65520.0f;  // halfway from 65504 to 2^16; the tie goes to Inf (even)
     } else {
       const float mid = 0.5f * (widen(static_cast<std::uint16_t>(mag - 1)) +
                                 widen(static_cast<std::uint16_t>(mag)));

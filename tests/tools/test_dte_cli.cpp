@@ -1,0 +1,186 @@
+// SPDX-License-Identifier: Apache-2.0
+// `dte audit-inverse` as a user runs it: exit status, table, JSON, and clear refusals.
+#include <doctest/doctest.h>
+
+#include <sys/wait.h>
+
+#include <array>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "dte/io/safetensors.hpp"
+
+namespace {
+
+struct Run {
+  int status;
+  std::string output;  // stdout and stderr
+};
+
+Run run_dte(const std::string& args) {
+  const std::string cmd = std::string(DTE_TOOL_PATH) + " " + args + " 2>&1";
+  FILE* pipe = popen(cmd.c_str(), "r");
+  REQUIRE(pipe != nullptr);
+  std::string out;
+  std::array<char, 4096> buf{};
+  while (std::size_t n = std::fread(buf.data(), 1, buf.size(), pipe))
+    out.append(buf.data(), n);
+  const int rc = pclose(pipe);
+  return {WIFEXITED(rc) ? WEXITSTATUS(rc) : -1, out};
+}
+
+std::filesystem::path temp_dir() {
+  auto dir = std::filesystem::temp_directory_path() / "dte_cli_test";
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+// One real AdamW step in FP32 (torch order: decay, moments, update) on small weight-like data.
+struct Dump {
+  std::vector<float> theta_prev, theta, m, v;
+  std::map<std::string, std::string> metadata{
+      {"optimizer", "adamw"}, {"lr", "1e-05"},    {"weight_decay", "0.1"},
+      {"beta1", "0.9"},       {"beta2", "0.999"}, {"eps", "1e-08"},
+      {"step", "1"}};
+
+  explicit Dump(std::size_t n = 4096) {
+    for (std::size_t i = 0; i < n; ++i) {
+      const float p0 = 0.02f * std::sin(0.37f * static_cast<float>(i)) + (i % 7 == 0 ? 1.0f : 0.0f);
+      const float g = (i % 5 == 0) ? 0.0f : 1e-3f * std::cos(1.3f * static_cast<float>(i));
+      const float mi = 0.1f * g, vi = 0.001f * g * g;
+      const float denom = std::sqrt(vi) / std::sqrt(0.001f) + 1e-8f;
+      const float p =
+          p0 * static_cast<float>(1.0 - 1e-6) - static_cast<float>(1e-5 / 0.1) * (mi / denom);
+      theta_prev.push_back(p0);
+      theta.push_back(p);
+      m.push_back(mi);
+      v.push_back(vi);
+    }
+  }
+
+  std::string write(const std::string& name) const {
+    dte::io::SafetensorsWriter w;
+    const std::uint64_t n = theta.size();
+    w.add<float>("theta_prev", {n}, theta_prev);
+    w.add<float>("theta", {n}, theta);
+    w.add<float>("exp_avg", {n}, m);
+    w.add<float>("exp_avg_sq", {n}, v);
+    for (const auto& [k, val] : metadata)
+      w.set_metadata(k, val);
+    const auto path = temp_dir() / name;
+    w.write(path);
+    return path.string();
+  }
+};
+
+}  // namespace
+
+TEST_CASE("a correct dump: exit 0, table and JSON") {
+  const std::string f = Dump().write("ok.safetensors");
+  const Run table = run_dte("audit-inverse " + f);
+  CHECK(table.status == 0);
+  CHECK_MESSAGE(table.output.find("missed            0") != std::string::npos, table.output);
+  CHECK_MESSAGE(
+      table.output.find("safe: every bf16 change of this step is detected") != std::string::npos,
+      table.output);
+  const Run json = run_dte("audit-inverse " + f + " --json");
+  CHECK(json.status == 0);
+  const auto j = nlohmann::json::parse(json.output);
+  CHECK(j.at("elements") == 4096);
+  CHECK(j.at("missed") == 0);
+  CHECK(j.at("true_changed").get<int>() > 0);
+  CHECK(j.at("detected").get<int>() >= j.at("true_changed").get<int>());
+  CHECK(j.at("guard_extra") == j.at("detected").get<int>() - j.at("true_changed").get<int>());
+  const Run fp16 = run_dte("audit-inverse " + f + " --json --format fp16");
+  CHECK(fp16.status == 0);
+  CHECK(nlohmann::json::parse(fp16.output).at("format") == "fp16");
+}
+
+TEST_CASE("a dump whose theta_prev disagrees with the state: a miss, exit 1") {
+  Dump d;
+  // Element 5 has a zero gradient: no update, so dte reconstructs theta_prev ~ theta. Claim it
+  // was something else: a change dte cannot see from the state, which the audit must report.
+  REQUIRE(d.m[5] == 0.0f);
+  d.theta_prev[5] = d.theta[5] + 0.5f;
+  const std::string f = d.write("miss.safetensors");
+  const Run r = run_dte("audit-inverse " + f);
+  CHECK(r.status == 1);
+  CHECK_MESSAGE(
+      r.output.find("UNSAFE: 1 change(s) missed, the first at index 5") != std::string::npos,
+      r.output);
+  const Run j = run_dte("audit-inverse " + f + " --json");
+  CHECK(j.status == 1);
+  CHECK(nlohmann::json::parse(j.output).at("missed") == 1);
+}
+
+TEST_CASE("bad input is refused with exit 2 and a clear message") {
+  SUBCASE("missing metadata") {
+    Dump d;
+    d.metadata.erase("lr");
+    const Run r = run_dte("audit-inverse " + d.write("nolr.safetensors"));
+    CHECK(r.status == 2);
+    CHECK_MESSAGE(r.output.find("metadata key 'lr' is missing") != std::string::npos, r.output);
+  }
+  SUBCASE("not a number") {
+    Dump d;
+    d.metadata["lr"] = "fast";
+    const Run r = run_dte("audit-inverse " + d.write("badlr.safetensors"));
+    CHECK(r.status == 2);
+    CHECK_MESSAGE(r.output.find("metadata key 'lr' is 'fast', not a number") != std::string::npos,
+                  r.output);
+  }
+  SUBCASE("NaN in theta") {
+    Dump d;
+    d.theta[17] = std::nanf("");
+    const Run r = run_dte("audit-inverse " + d.write("nan.safetensors"));
+    CHECK(r.status == 2);
+    CHECK_MESSAGE(r.output.find("theta of tensor") != std::string::npos, r.output);
+    CHECK_MESSAGE(r.output.find("1 non-finite value(s) (NaN or Inf), the first at index 17") !=
+                      std::string::npos,
+                  r.output);
+  }
+  SUBCASE("unknown optimizer") {
+    Dump d;
+    d.metadata["optimizer"] = "lion";
+    const Run r = run_dte("audit-inverse " + d.write("lion.safetensors"));
+    CHECK(r.status == 2);
+    CHECK_MESSAGE(r.output.find("metadata optimizer is 'lion'") != std::string::npos, r.output);
+  }
+  SUBCASE("amsgrad") {
+    Dump d;
+    d.metadata["amsgrad"] = "true";
+    const Run r = run_dte("audit-inverse " + d.write("ams.safetensors"));
+    CHECK(r.status == 2);
+    CHECK_MESSAGE(r.output.find("amsgrad is not supported") != std::string::npos, r.output);
+  }
+  SUBCASE("missing tensor") {
+    dte::io::SafetensorsWriter w;
+    const std::vector<float> x{1.0f};
+    w.add<float>("theta", {1}, x);
+    w.set_metadata("optimizer", "sgd");
+    w.set_metadata("lr", "0.1");
+    w.set_metadata("momentum", "0.9");
+    const auto path = temp_dir() / "notensor.safetensors";
+    w.write(path);
+    const Run r = run_dte("audit-inverse " + path.string());
+    CHECK(r.status == 2);
+    CHECK_MESSAGE(r.output.find("theta_prev") != std::string::npos, r.output);
+  }
+  SUBCASE("no such file") {
+    const Run r = run_dte("audit-inverse /nonexistent/dump.safetensors");
+    CHECK(r.status == 2);
+    CHECK_MESSAGE(r.output.find("/nonexistent/dump.safetensors") != std::string::npos, r.output);
+  }
+  SUBCASE("not a safetensors file") {
+    const auto path = temp_dir() / "garbage.safetensors";
+    FILE* f = std::fopen(path.c_str(), "wb");
+    std::fputs("this is not a safetensors file at all", f);
+    std::fclose(f);
+    const Run r = run_dte("audit-inverse " + path.string());
+    CHECK(r.status == 2);
+    CHECK_MESSAGE(r.output.find("dte: error:") != std::string::npos, r.output);
+  }
+}
