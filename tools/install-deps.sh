@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# Installs the Debian packages dte's build, tests, tools and benchmarks need: only those that
+# are missing, so a prepared machine pays nothing. The CUDA toolkit (nvcc, CCCL, NCCL) is
+# expected from the machine image; without it the CUDA targets are simply not built.
+set -euo pipefail
+
+packages=(
+  cmake ninja-build g++ ccache
+  doctest-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev libzstd-dev libxxhash-dev
+  python3 python3-torch
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install-deps: all ${#packages[@]} packages present"
+  exit 0
+fi
+
+echo "install-deps: installing ${missing[*]}"
+sudo_cmd=()
+if [ "$(id -u)" -ne 0 ]; then sudo_cmd=(sudo); fi
+export DEBIAN_FRONTEND=noninteractive
+"${sudo_cmd[@]}" apt-get update -qq
+"${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+echo "install-deps: done"

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# The one test command: install what is missing, configure, build everything (host targets with
+# g++, every CUDA target with nvcc when it is present), run the whole CTest suite.
+#   tools/test.sh [extra ctest arguments, e.g. -L oracle or -R safetensors]
+# Environment: DTE_BUILD_DIR (default build), DTE_JOBS (default: number of cores).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+build="${DTE_BUILD_DIR:-$root/build}"
+jobs="${DTE_JOBS:-$(nproc)}"
+
+"$root/tools/install-deps.sh"
+
+launcher=()
+if command -v ccache >/dev/null; then
+  launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+fi
+# nvcc is on PATH on CUDA images only through /usr/local/cuda/bin at times.
+if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
+  export PATH="/usr/local/cuda/bin:$PATH"
+fi
+
+cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${launcher[@]}"
+cmake --build "$build" -j "$jobs"
+ctest --test-dir "$build" -j "$jobs" --output-on-failure "$@"
