@@ -21,24 +21,40 @@ class error : public std::runtime_error {
   std::source_location where_;
 };
 
+// The subclasses forward their constructor explicitly rather than inheriting it (`using
+// error::error;`): nvcc 13's front end aborts with an internal error on an inherited
+// constructor whose default argument is std::source_location::current().
+
 // Bad values or shapes passed by the caller (hyperparameters, optimizer state, topology).
 class invalid_argument : public error {
-  using error::error;
+ public:
+  explicit invalid_argument(const std::string& message,
+                            std::source_location where = std::source_location::current())
+      : error(message, where) {}
 };
 
 // A configuration dte understands but cannot handle correctly (amsgrad, Nesterov, ...).
 class unsupported : public error {
-  using error::error;
+ public:
+  explicit unsupported(const std::string& message,
+                       std::source_location where = std::source_location::current())
+      : error(message, where) {}
 };
 
 // A file or message whose bytes do not follow the format (safetensors, payloads).
 class format_error : public error {
-  using error::error;
+ public:
+  explicit format_error(const std::string& message,
+                        std::source_location where = std::source_location::current())
+      : error(message, where) {}
 };
 
 // The operating system refused a read or a write.
 class io_error : public error {
-  using error::error;
+ public:
+  explicit io_error(const std::string& message,
+                    std::source_location where = std::source_location::current())
+      : error(message, where) {}
 };
 
 }  // namespace dte

@@ -6,6 +6,7 @@
 // never publishes a NaN (validation refuses them), so the difference cannot reach a receiver.
 #pragma once
 
+#include <concepts>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>

@@ -11,6 +11,7 @@
 #include <string>
 #include <string_view>
 
+#include "dte/config.hpp"
 #include "dte/error.hpp"
 
 namespace dte::detail {
