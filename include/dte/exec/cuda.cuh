@@ -5,11 +5,9 @@
 // DTE_HOST_DEVICE functors as the host backend, so a rule tested on the CPU is the rule the GPU
 // applies.
 //
-// Bit-identical results to the host need the same floating-point contraction: the host builds
-// dte with -ffp-contract=off, and nvcc contracts a*b+c into an FMA by default (-fmad=true), which
-// changes the last bit of a reconstruction or of its error bound. Build with -fmad=false when
-// the verdicts must equal the host's element for element (the differential tests do); the
-// guard band absorbs either rounding, so -fmad=true is still safe, only not bit-comparable.
+// Bit-identical results to the host: the inverses round every FP32 operation once through
+// detail::mul_rn/add_rn/div_rn (__fmul_rn, __fadd_rn, __fdiv_rn on the device), which nvcc never
+// contracts into an FMA, so the default -fmad=true gives the host's verdicts element for element.
 //
 // Pointers: every pointer a kernel functor holds, d_out and d_theta_prev must be readable (or
 // writable) by the current device. The optimizer inverses' bind() validates its spans on the

@@ -88,16 +88,18 @@ struct AdamFamilyKernel {
       // x - (-0) may have turned -0 into +0.
       return {p, static_cast<float>(min_subnormal), !sign_bit(m)};
     }
-    const float denom = std::sqrt(v) * inv_bc2_sqrt + eps;
-    const float update = step_size * (m / denom);
-    const float value = (p + update) / decay;
+    const float denom = add_rn(mul_rn(std::sqrt(v), inv_bc2_sqrt), eps);
+    const float update = mul_rn(step_size, div_rn(m, denom));
+    const float value = div_rn(add_rn(p, update), decay);
     const float abs_u = abs_bits(update);
     const float abs_m = abs_bits(m);
     // A subnormal m / bc1 can lose up to 2^-150 before the division by denom, which then
     // amplifies it by step_size / denom = |update| / |m|. A zero m gives an exact zero update.
     const bool m_subnormal = abs_m > 0.0f && abs_m < 1.17549435e-38f;
-    const float underflow = m_subnormal ? abs_base * (1.0f + abs_u / abs_m) : abs_base;
-    const float error = (rel_p * abs_bits(p) + rel_u * abs_u + underflow) / decay;
+    const float underflow =
+        m_subnormal ? mul_rn(abs_base, add_rn(1.0f, div_rn(abs_u, abs_m))) : abs_base;
+    const float error =
+        div_rn(add_rn(add_rn(mul_rn(rel_p, abs_bits(p)), mul_rn(rel_u, abs_u)), underflow), decay);
     return {value, error, false};
   }
 };

@@ -42,5 +42,32 @@ inline constexpr double unit_roundoff = 1.0 / 16777216.0;  // 2^-24
 // at most half of it in absolute terms.
 inline constexpr double min_subnormal = 1.4012984643248171e-45;  // 2^-149
 
+// FP32 operations rounded once each, never fused: nvcc contracts a*b+c into an FMA by default,
+// which would make device verdicts differ from the host's in the last bit. (The bounds hold
+// either way; identical verdicts make the CUDA backend testable against the host backend.)
+DTE_HOST_DEVICE inline float mul_rn(float a, float b) noexcept {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+DTE_HOST_DEVICE inline float add_rn(float a, float b) noexcept {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+DTE_HOST_DEVICE inline float div_rn(float a, float b) noexcept {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
 }  // namespace detail
 }  // namespace dte

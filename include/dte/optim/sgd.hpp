@@ -60,9 +60,10 @@ struct SgdMomentumKernel {
       // Same reasoning as for Adam: only a -0 buffer can flip the sign of a zero weight.
       return {p, static_cast<float>(min_subnormal), !sign_bit(buf)};
     }
-    const float update = lr * buf;
-    const float value = p + update;
-    const float error = rel_p * abs_bits(p) + rel_u * abs_bits(update) + abs_err;
+    const float update = mul_rn(lr, buf);
+    const float value = add_rn(p, update);
+    const float error =
+        add_rn(add_rn(mul_rn(rel_p, abs_bits(p)), mul_rn(rel_u, abs_bits(update))), abs_err);
     return {value, error, false};
   }
 };
