@@ -135,18 +135,10 @@ inline AdamFamilyKernel make_adam_kernel(std::string_view policy, bool decoupled
                            "); the optimizer has not stepped yet, so there is no previous value "
                            "to reconstruct: publish after the first optimizer step");
   }
-  if (!(std::isfinite(h.lr) && h.lr >= 0.0)) {
-    throw invalid_argument(who + ": lr must be finite and >= 0 for " + where + " (got " +
-                           format_value(h.lr) + "); pass the learning rate the step used");
-  }
-  if (!(std::isfinite(h.eps) && h.eps >= 0.0)) {
-    throw invalid_argument(who + ": eps must be finite and >= 0 for " + where + " (got " +
-                           format_value(h.eps) + "); pass the optimizer's eps (1e-8 by default)");
-  }
-  if (!(std::isfinite(h.weight_decay) && h.weight_decay >= 0.0)) {
-    throw invalid_argument(who + ": weight_decay must be finite and >= 0 for " + where + " (got " +
-                           format_value(h.weight_decay) + ")");
-  }
+  require_non_negative_scalar(who, tensor, "lr", h.lr, "pass the learning rate the step used");
+  require_non_negative_scalar(who, tensor, "eps", h.eps,
+                              "pass the optimizer's eps (1e-8 by default)");
+  require_non_negative_scalar(who, tensor, "weight_decay", h.weight_decay);
   for (const auto& [name, beta] : {std::pair{"beta1", h.beta1}, std::pair{"beta2", h.beta2}}) {
     if (!(beta >= 0.0 && beta < 1.0)) {
       throw invalid_argument(who + ": " + name + " must be in [0, 1) for " + where + " (got " +

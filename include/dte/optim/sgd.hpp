@@ -99,15 +99,9 @@ struct SgdMomentumInverse {
       throw invalid_argument(who + ": dampening must be in [0, 1] for " + where + " (got " +
                              detail::format_value(h.dampening) + ")");
     }
-    if (!(std::isfinite(h.lr) && h.lr >= 0.0)) {
-      throw invalid_argument(who + ": lr must be finite and >= 0 for " + where + " (got " +
-                             detail::format_value(h.lr) +
-                             "); pass the learning rate the step used");
-    }
-    if (!(std::isfinite(h.weight_decay) && h.weight_decay >= 0.0)) {
-      throw invalid_argument(who + ": weight_decay must be finite and >= 0 for " + where +
-                             " (got " + detail::format_value(h.weight_decay) + ")");
-    }
+    detail::require_non_negative_scalar(who, tensor, "lr", h.lr,
+                                        "pass the learning rate the step used");
+    detail::require_non_negative_scalar(who, tensor, "weight_decay", h.weight_decay);
     detail::require_same_length(who, tensor, "theta", theta.size(), "momentum_buffer",
                                 s.momentum_buffer.size());
     detail::require_finite(who, tensor, "theta", theta);

@@ -27,6 +27,17 @@ inline std::string format_value(double x) {
   return os.str();
 }
 
+// A hyperparameter that must be finite and >= 0 (lr, eps, weight_decay). `hint` says what to pass.
+inline void require_non_negative_scalar(std::string_view policy, std::string_view tensor,
+                                        std::string_view name, double value,
+                                        std::string_view hint = {}) {
+  if (std::isfinite(value) && value >= 0.0) return;
+  throw invalid_argument(std::string(policy) + ": " + std::string(name) +
+                         " must be finite and >= 0 for " + tensor_label(tensor) + " (got " +
+                         format_value(value) + ")" + (hint.empty() ? "" : "; ") +
+                         std::string(hint));
+}
+
 // theta, exp_avg, ... must have the same number of elements as the parameter shard.
 inline void require_same_length(std::string_view policy, std::string_view tensor,
                                 std::string_view ref_name, std::size_t ref_size,
