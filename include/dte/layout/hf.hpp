@@ -1,0 +1,186 @@
+// SPDX-License-Identifier: Apache-2.0
+// The HF canonical index space: every tensor of the on-disk HuggingFace checkpoint (per-expert
+// names for MoE), numbered in a fixed order, each element addressed as (tensor, flat index) and
+// globally as base(tensor) + flat index.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dte/layout/model.hpp"
+
+namespace dte::layout {
+
+enum class HfKind : std::uint8_t {
+  embed,
+  input_norm,
+  q,
+  k,
+  v,
+  q_norm,
+  k_norm,
+  o,
+  post_norm,
+  gate,
+  up,
+  down,
+  router,
+  expert_gate,
+  expert_up,
+  expert_down,
+  final_norm,
+  lm_head,
+};
+
+// An element of the canonical space; tensor < 0 means "no canonical element" (Megatron's vocab
+// padding rows, or a replica that is not the designated sender).
+struct Canonical {
+  std::int64_t tensor = -1;
+  std::int64_t index = 0;
+  friend bool operator==(const Canonical&, const Canonical&) = default;
+};
+
+struct HfTensor {
+  HfKind kind;
+  std::int32_t layer;   // -1 outside the decoder layers
+  std::int32_t expert;  // -1 unless an expert tensor
+  std::int64_t rows;    // dim 0
+  std::int64_t cols;    // dim 1; 0 for a 1-D tensor
+  std::int64_t base;    // global canonical index of element 0
+
+  [[nodiscard]] std::int64_t numel() const noexcept { return cols == 0 ? rows : rows * cols; }
+};
+
+class HfModel {
+ public:
+  explicit HfModel(const ModelSpec& m) : spec_(m) {
+    per_layer_ = m.moe() ? 9 + 3 * m.experts : 11;
+    auto add = [&](HfKind kind, std::int64_t layer, std::int64_t expert, std::int64_t rows,
+                   std::int64_t cols) {
+      tensors_.push_back({kind, static_cast<std::int32_t>(layer), static_cast<std::int32_t>(expert),
+                          rows, cols, total_});
+      total_ += tensors_.back().numel();
+    };
+    const std::int64_t H = m.hidden;
+    add(HfKind::embed, -1, -1, m.vocab, H);
+    for (std::int64_t L = 0; L < m.layers; ++L) {
+      add(HfKind::input_norm, L, -1, H, 0);
+      add(HfKind::q, L, -1, m.q_rows(), H);
+      add(HfKind::k, L, -1, m.kv_rows(), H);
+      add(HfKind::v, L, -1, m.kv_rows(), H);
+      add(HfKind::q_norm, L, -1, m.head_dim, 0);
+      add(HfKind::k_norm, L, -1, m.head_dim, 0);
+      add(HfKind::o, L, -1, H, m.q_rows());
+      add(HfKind::post_norm, L, -1, H, 0);
+      if (m.moe()) {
+        add(HfKind::router, L, -1, m.experts, H);
+        for (std::int64_t e = 0; e < m.experts; ++e) {
+          add(HfKind::expert_gate, L, e, m.moe_intermediate, H);
+          add(HfKind::expert_up, L, e, m.moe_intermediate, H);
+          add(HfKind::expert_down, L, e, H, m.moe_intermediate);
+        }
+      } else {
+        add(HfKind::gate, L, -1, m.intermediate, H);
+        add(HfKind::up, L, -1, m.intermediate, H);
+        add(HfKind::down, L, -1, H, m.intermediate);
+      }
+    }
+    add(HfKind::final_norm, -1, -1, H, 0);
+    add(HfKind::lm_head, -1, -1, m.vocab, H);
+  }
+
+  [[nodiscard]] const ModelSpec& spec() const noexcept { return spec_; }
+  [[nodiscard]] std::int64_t size() const noexcept {
+    return static_cast<std::int64_t>(tensors_.size());
+  }
+  [[nodiscard]] const HfTensor& operator[](std::int64_t id) const {
+    return tensors_[static_cast<std::size_t>(id)];
+  }
+  [[nodiscard]] std::int64_t total() const noexcept { return total_; }
+
+  // O(1): the id of a tensor from its kind, layer and expert.
+  [[nodiscard]] std::int64_t id(HfKind kind, std::int64_t layer = -1,
+                                std::int64_t expert = -1) const noexcept {
+    switch (kind) {
+      case HfKind::embed:
+        return 0;
+      case HfKind::final_norm:
+        return 1 + spec_.layers * per_layer_;
+      case HfKind::lm_head:
+        return 2 + spec_.layers * per_layer_;
+      case HfKind::expert_gate:
+      case HfKind::expert_up:
+      case HfKind::expert_down:
+        return 1 + layer * per_layer_ + 9 + 3 * expert +
+               (static_cast<int>(kind) - static_cast<int>(HfKind::expert_gate));
+      case HfKind::gate:
+      case HfKind::up:
+      case HfKind::down:
+        return 1 + layer * per_layer_ + 8 +
+               (static_cast<int>(kind) - static_cast<int>(HfKind::gate));
+      case HfKind::router:
+        return 1 + layer * per_layer_ + 8;
+      default:
+        return 1 + layer * per_layer_ + (static_cast<int>(kind) - 1);
+    }
+  }
+
+  [[nodiscard]] std::string name(std::int64_t id) const {
+    const HfTensor& t = (*this)[id];
+    const std::string layer = "model.layers." + std::to_string(t.layer) + ".";
+    switch (t.kind) {
+      case HfKind::embed:
+        return "model.embed_tokens.weight";
+      case HfKind::input_norm:
+        return layer + "input_layernorm.weight";
+      case HfKind::q:
+        return layer + "self_attn.q_proj.weight";
+      case HfKind::k:
+        return layer + "self_attn.k_proj.weight";
+      case HfKind::v:
+        return layer + "self_attn.v_proj.weight";
+      case HfKind::q_norm:
+        return layer + "self_attn.q_norm.weight";
+      case HfKind::k_norm:
+        return layer + "self_attn.k_norm.weight";
+      case HfKind::o:
+        return layer + "self_attn.o_proj.weight";
+      case HfKind::post_norm:
+        return layer + "post_attention_layernorm.weight";
+      case HfKind::gate:
+        return layer + "mlp.gate_proj.weight";
+      case HfKind::up:
+        return layer + "mlp.up_proj.weight";
+      case HfKind::down:
+        return layer + "mlp.down_proj.weight";
+      case HfKind::router:
+        return layer + "mlp.gate.weight";
+      case HfKind::expert_gate:
+        return layer + "mlp.experts." + std::to_string(t.expert) + ".gate_proj.weight";
+      case HfKind::expert_up:
+        return layer + "mlp.experts." + std::to_string(t.expert) + ".up_proj.weight";
+      case HfKind::expert_down:
+        return layer + "mlp.experts." + std::to_string(t.expert) + ".down_proj.weight";
+      case HfKind::final_norm:
+        return "model.norm.weight";
+      case HfKind::lm_head:
+        return "lm_head.weight";
+    }
+    return "?";
+  }
+
+  [[nodiscard]] std::vector<std::int64_t> shape(std::int64_t id) const {
+    const HfTensor& t = (*this)[id];
+    if (t.cols == 0) return {t.rows};
+    return {t.rows, t.cols};
+  }
+
+ private:
+  ModelSpec spec_;
+  std::vector<HfTensor> tensors_;
+  std::int64_t per_layer_ = 0;
+  std::int64_t total_ = 0;
+};
+
+}  // namespace dte::layout

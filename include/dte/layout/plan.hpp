@@ -1,0 +1,141 @@
+// SPDX-License-Identifier: Apache-2.0
+// TransferPlan: built once per trainer rank, it says for every element of that rank's optimizer
+// shard (dense and expert buffers) which receiver elements hold it. It stores only the runs
+// where a parameter overlaps the shard (a few hundred per rank); everything else is closed form:
+// locate the run (binary search), then MegatronToHF, then the receiver layout, all O(1).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "dte/layout/dist_optimizer.hpp"
+#include "dte/layout/hf.hpp"
+#include "dte/layout/megatron.hpp"
+#include "dte/layout/sglang.hpp"
+#include "dte/layout/topology.hpp"
+
+namespace dte::layout {
+
+enum class BufferKind : std::uint8_t { dense = 0, expert = 1 };
+
+// Where one trainer element goes: receiver rank (replica * inference TP + TP rank), receiver
+// tensor id (SglangLayout), flat index in the receiver-local tensor.
+struct RouteTarget {
+  std::int64_t rank;
+  std::int64_t tensor;
+  std::int64_t index;
+};
+
+struct PlanSegment {
+  std::int64_t shard_begin;  // offset in the rank's shard of this buffer
+  std::int64_t length;
+  std::int64_t param_begin;  // flat index in the parameter of the first element
+  std::int32_t param;        // index into params()
+  bool sender;               // false for TP replicas of replicated tensors (not sent)
+};
+
+class TransferPlan {
+ public:
+  TransferPlan(const HfModel& hf, const TrainTopology& t, const SglangLayout& receivers,
+               std::int64_t global_rank)
+      : hf_(&hf),
+        receivers_(&receivers),
+        map_(hf, t, train_rank(t, global_rank)),
+        params_(megatron_params(hf.spec(), t, map_.rank())) {
+    const TrainRank& r = map_.rank();
+    for (BufferKind kind : {BufferKind::dense, BufferKind::expert}) {
+      std::vector<std::int64_t> ids, numels;
+      for (std::size_t i = 0; i < params_.size(); ++i) {
+        if (params_[i].is_expert() == (kind == BufferKind::expert)) {
+          ids.push_back(static_cast<std::int64_t>(i));
+          numels.push_back(params_[i].numel());
+        }
+      }
+      const std::int64_t dp = kind == BufferKind::expert ? t.edp() : t.dp;
+      const std::int64_t me = kind == BufferKind::expert ? r.edp : r.dp;
+      // Megatron uses a single bucket on every pipeline stage but the first.
+      const BufferLayout layout =
+          megatron_buffer_layout(ids, numels, dp, r.pp > 0 ? 0 : t.bucket_size);
+      auto& segs = segments_[static_cast<int>(kind)];
+      std::int64_t shard_pos = 0;
+      for (const Bucket& slice : layout.owned(me)) {
+        for (const BufferParam& bp : layout.params) {
+          const std::int64_t lo = std::max(slice.start, bp.start);
+          const std::int64_t hi = std::min(slice.end, bp.start + bp.numel);
+          if (lo >= hi) continue;
+          const MegatronParam& p = params_[static_cast<std::size_t>(bp.param)];
+          segs.push_back({shard_pos + (lo - slice.start), hi - lo, lo - bp.start,
+                          static_cast<std::int32_t>(bp.param), map_.is_sender(p)});
+        }
+        shard_pos += slice.end - slice.start;
+      }
+      std::sort(segs.begin(), segs.end(), [](const PlanSegment& a, const PlanSegment& b) {
+        return a.shard_begin < b.shard_begin;
+      });
+      shard_size_[static_cast<int>(kind)] = layout.shard_size();
+    }
+  }
+
+  [[nodiscard]] const TrainRank& rank() const noexcept { return map_.rank(); }
+  [[nodiscard]] const std::vector<MegatronParam>& params() const noexcept { return params_; }
+  [[nodiscard]] const std::vector<PlanSegment>& segments(BufferKind b) const noexcept {
+    return segments_[static_cast<int>(b)];
+  }
+  [[nodiscard]] std::int64_t shard_size(BufferKind b) const noexcept {
+    return shard_size_[static_cast<int>(b)];
+  }
+  [[nodiscard]] const MegatronToHF& mapping() const noexcept { return map_; }
+
+  // The segment holding shard offset `o`, or nullptr (alignment or bucket padding).
+  [[nodiscard]] const PlanSegment* locate(BufferKind b, std::int64_t o) const noexcept {
+    const auto& segs = segments(b);
+    auto it =
+        std::upper_bound(segs.begin(), segs.end(), o,
+                         [](std::int64_t x, const PlanSegment& s) { return x < s.shard_begin; });
+    if (it == segs.begin()) return nullptr;
+    --it;
+    return o < it->shard_begin + it->length ? &*it : nullptr;
+  }
+
+  // The canonical element this rank SENDS for shard offset o (tensor -1: nothing to send).
+  [[nodiscard]] Canonical canonical(BufferKind b, std::int64_t o) const noexcept {
+    const PlanSegment* s = locate(b, o);
+    if (s == nullptr || !s->sender) return {};
+    return map_(params_[static_cast<std::size_t>(s->param)], s->param_begin + (o - s->shard_begin));
+  }
+
+  // Calls emit(RouteTarget) for every receiver element, in every replica, that holds the element
+  // at shard offset o of buffer b. Nothing for padding and for non-sending replicas.
+  template <class Emit>
+  void route(BufferKind b, std::int64_t o, Emit&& emit) const {
+    const Canonical c = canonical(b, o);
+    if (c.tensor < 0) return;
+    const InferTopology& it = receivers_->topology();
+    receivers_->targets(c, [&](const ReceiverElement& e) {
+      for (std::int64_t replica = 0; replica < it.replicas; ++replica) {
+        emit(RouteTarget{replica * it.tp + e.ts, e.tensor, e.index});
+      }
+    });
+  }
+
+  // Memory this plan holds (its own tables; the model and receiver catalogues are shared).
+  [[nodiscard]] std::int64_t bytes() const noexcept {
+    std::int64_t n = static_cast<std::int64_t>(sizeof(*this));
+    n += static_cast<std::int64_t>(params_.capacity() * sizeof(MegatronParam));
+    for (const auto& s : segments_) {
+      n += static_cast<std::int64_t>(s.capacity() * sizeof(PlanSegment));
+    }
+    return n;
+  }
+
+ private:
+  const HfModel* hf_;
+  const SglangLayout* receivers_;
+  MegatronToHF map_;
+  std::vector<MegatronParam> params_;
+  std::vector<PlanSegment> segments_[2];
+  std::int64_t shard_size_[2] = {0, 0};
+};
+
+}  // namespace dte::layout

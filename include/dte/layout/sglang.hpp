@@ -1,0 +1,320 @@
+// SPDX-License-Identifier: Apache-2.0
+// The SGLang/vLLM receiver layout: per-TP-rank tensors (fused qkv_proj with KV replication when
+// TP > KV heads, gate_up_proj, row-parallel o_proj/down_proj, vocab-parallel embed_tokens and
+// lm_head without Megatron's padding, FusedMoE w13/w2 under EP and MoE-TP), the map from an HF
+// canonical element to every (TP rank, tensor, local index) holding it, and its inverse.
+// Formulas: shared/LAYOUTS.md §5 and §6; tables in docs/layouts.md.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dte/layout/hf.hpp"
+#include "dte/layout/model.hpp"
+#include "dte/layout/topology.hpp"
+
+namespace dte::layout {
+
+enum class ReceiverKind : std::uint8_t {
+  embed,
+  input_norm,
+  qkv,
+  o,
+  q_norm,
+  k_norm,
+  post_norm,
+  gate_up,
+  down,
+  router,
+  w13,
+  w2,
+  final_norm,
+  lm_head,
+};
+
+struct ReceiverTensor {
+  ReceiverKind kind;
+  std::int32_t layer;               // global layer, -1 outside the decoder
+  std::vector<std::int64_t> shape;  // receiver-local
+  std::int64_t numel;
+};
+
+// One receiver element: TP rank within a replica, tensor id, flat index in the local tensor.
+struct ReceiverElement {
+  std::int64_t ts;
+  std::int64_t tensor;
+  std::int64_t index;
+};
+
+class SglangLayout {
+ public:
+  SglangLayout(const HfModel& hf, const InferTopology& t) : hf_(&hf), t_(t) {
+    const ModelSpec& m = hf.spec();
+    const std::int64_t H = m.hidden, Ts = t.tp;
+    vs_ = InferTopology::padded_vocab(m.vocab);
+    nkl_ = std::max<std::int64_t>(1, m.kv_heads / Ts);
+    rep_ = std::max<std::int64_t>(1, Ts / m.kv_heads);
+    per_layer_ = m.moe() ? 9 : 8;
+    auto add = [&](ReceiverKind k, std::int64_t layer, std::vector<std::int64_t> shape) {
+      std::int64_t n = 1;
+      for (std::int64_t s : shape)
+        n *= s;
+      tensors_.push_back({k, static_cast<std::int32_t>(layer), std::move(shape), n});
+    };
+    add(ReceiverKind::embed, -1, {vs_ / Ts, H});
+    for (std::int64_t L = 0; L < m.layers; ++L) {
+      add(ReceiverKind::input_norm, L, {H});
+      add(ReceiverKind::qkv, L, {(m.heads / Ts + 2 * nkl_) * m.head_dim, H});
+      add(ReceiverKind::o, L, {H, m.q_rows() / Ts});
+      add(ReceiverKind::q_norm, L, {m.head_dim});
+      add(ReceiverKind::k_norm, L, {m.head_dim});
+      add(ReceiverKind::post_norm, L, {H});
+      if (m.moe()) {
+        const std::int64_t Ms = t.moe_tp(), El = m.experts / t.ep;
+        add(ReceiverKind::router, L, {m.experts, H});
+        add(ReceiverKind::w13, L, {El, 2 * m.moe_intermediate / Ms, H});
+        add(ReceiverKind::w2, L, {El, H, m.moe_intermediate / Ms});
+      } else {
+        add(ReceiverKind::gate_up, L, {2 * m.intermediate / Ts, H});
+        add(ReceiverKind::down, L, {H, m.intermediate / Ts});
+      }
+    }
+    add(ReceiverKind::final_norm, -1, {H});
+    add(ReceiverKind::lm_head, -1, {vs_ / Ts, H});
+  }
+
+  [[nodiscard]] const InferTopology& topology() const noexcept { return t_; }
+  [[nodiscard]] std::int64_t size() const noexcept {
+    return static_cast<std::int64_t>(tensors_.size());
+  }
+  [[nodiscard]] const ReceiverTensor& operator[](std::int64_t id) const {
+    return tensors_[static_cast<std::size_t>(id)];
+  }
+
+  [[nodiscard]] std::int64_t id(ReceiverKind k, std::int64_t layer = -1) const noexcept {
+    const std::int64_t layers = hf_->spec().layers;
+    if (k == ReceiverKind::embed) return 0;
+    if (k == ReceiverKind::final_norm) return 1 + layers * per_layer_;
+    if (k == ReceiverKind::lm_head) return 2 + layers * per_layer_;
+    std::int64_t slot = static_cast<std::int64_t>(k) - 1;  // input_norm..down
+    if (k == ReceiverKind::router) slot = 6;
+    if (k == ReceiverKind::w13) slot = 7;
+    if (k == ReceiverKind::w2) slot = 8;
+    return 1 + layer * per_layer_ + slot;
+  }
+
+  // SGLang parameter name (global layer index), as load_format="direct" expects it.
+  [[nodiscard]] std::string name(std::int64_t id) const {
+    const ReceiverTensor& x = (*this)[id];
+    const std::string l = "model.layers." + std::to_string(x.layer) + ".";
+    switch (x.kind) {
+      case ReceiverKind::embed:
+        return "model.embed_tokens.weight";
+      case ReceiverKind::input_norm:
+        return l + "input_layernorm.weight";
+      case ReceiverKind::qkv:
+        return l + "self_attn.qkv_proj.weight";
+      case ReceiverKind::o:
+        return l + "self_attn.o_proj.weight";
+      case ReceiverKind::q_norm:
+        return l + "self_attn.q_norm.weight";
+      case ReceiverKind::k_norm:
+        return l + "self_attn.k_norm.weight";
+      case ReceiverKind::post_norm:
+        return l + "post_attention_layernorm.weight";
+      case ReceiverKind::gate_up:
+        return l + "mlp.gate_up_proj.weight";
+      case ReceiverKind::down:
+        return l + "mlp.down_proj.weight";
+      case ReceiverKind::router:
+        return l + "mlp.gate.weight";
+      case ReceiverKind::w13:
+        return l + "mlp.experts.w13_weight";
+      case ReceiverKind::w2:
+        return l + "mlp.experts.w2_weight";
+      case ReceiverKind::final_norm:
+        return "model.norm.weight";
+      case ReceiverKind::lm_head:
+        return "lm_head.weight";
+    }
+    return "?";
+  }
+
+  // Every (TP rank, tensor, index) of one replica that holds canonical element c: one for
+  // sharded tensors, Ts/ng for replicated KV rows, Ts for norms and the router.
+  template <class Emit>
+  void targets(Canonical c, Emit&& emit) const {
+    const ModelSpec& m = hf_->spec();
+    const HfTensor& x = (*hf_)[c.tensor];
+    const std::int64_t H = m.hidden, d = m.head_dim, Ts = t_.tp;
+    const std::int64_t row = x.cols == 0 ? c.index : c.index / x.cols;
+    const std::int64_t col = x.cols == 0 ? 0 : c.index % x.cols;
+    const std::int64_t L = x.layer;
+    switch (x.kind) {
+      case HfKind::embed:
+      case HfKind::lm_head: {
+        const std::int64_t per = vs_ / Ts;
+        emit(ReceiverElement{
+            row / per, id(x.kind == HfKind::embed ? ReceiverKind::embed : ReceiverKind::lm_head),
+            (row % per) * H + col});
+        return;
+      }
+      case HfKind::q: {
+        const std::int64_t per = m.q_rows() / Ts;
+        emit(ReceiverElement{row / per, id(ReceiverKind::qkv, L), (row % per) * H + col});
+        return;
+      }
+      case HfKind::k:
+      case HfKind::v: {
+        const std::int64_t block = nkl_ * d;
+        const std::int64_t first = (row / block) * rep_;
+        const std::int64_t local_row =
+            m.q_rows() / Ts + (x.kind == HfKind::v ? block : 0) + row % block;
+        for (std::int64_t ts = first; ts < first + rep_; ++ts) {
+          emit(ReceiverElement{ts, id(ReceiverKind::qkv, L), local_row * H + col});
+        }
+        return;
+      }
+      case HfKind::o: {
+        const std::int64_t w = m.q_rows() / Ts;
+        emit(ReceiverElement{col / w, id(ReceiverKind::o, L), row * w + col % w});
+        return;
+      }
+      case HfKind::gate:
+      case HfKind::up: {
+        const std::int64_t per = m.intermediate / Ts;
+        const std::int64_t local_row = (x.kind == HfKind::up ? per : 0) + row % per;
+        emit(ReceiverElement{row / per, id(ReceiverKind::gate_up, L), local_row * H + col});
+        return;
+      }
+      case HfKind::down: {
+        const std::int64_t w = m.intermediate / Ts;
+        emit(ReceiverElement{col / w, id(ReceiverKind::down, L), row * w + col % w});
+        return;
+      }
+      case HfKind::expert_gate:
+      case HfKind::expert_up:
+      case HfKind::expert_down: {
+        const std::int64_t Ms = t_.moe_tp(), El = m.experts / t_.ep;
+        const std::int64_t w = m.moe_intermediate / Ms;
+        const std::int64_t ep_rank = x.expert / El, j = x.expert % El;
+        if (x.kind == HfKind::expert_down) {
+          const std::int64_t ts = ep_rank * Ms + col / w;
+          emit(ReceiverElement{ts, id(ReceiverKind::w2, L), (j * H + row) * w + col % w});
+        } else {
+          const std::int64_t ts = ep_rank * Ms + row / w;
+          const std::int64_t local_row = (x.kind == HfKind::expert_up ? w : 0) + row % w;
+          emit(ReceiverElement{ts, id(ReceiverKind::w13, L), (j * 2 * w + local_row) * H + col});
+        }
+        return;
+      }
+      case HfKind::input_norm:
+      case HfKind::q_norm:
+      case HfKind::k_norm:
+      case HfKind::post_norm:
+      case HfKind::router:
+      case HfKind::final_norm: {
+        const ReceiverKind k = x.kind == HfKind::input_norm  ? ReceiverKind::input_norm
+                               : x.kind == HfKind::q_norm    ? ReceiverKind::q_norm
+                               : x.kind == HfKind::k_norm    ? ReceiverKind::k_norm
+                               : x.kind == HfKind::post_norm ? ReceiverKind::post_norm
+                               : x.kind == HfKind::router    ? ReceiverKind::router
+                                                             : ReceiverKind::final_norm;
+        for (std::int64_t ts = 0; ts < Ts; ++ts)
+          emit(ReceiverElement{ts, id(k, L), c.index});
+        return;
+      }
+    }
+  }
+
+  // The inverse: which canonical element a receiver element holds (tensor -1: the zero-filled
+  // vocabulary tail beyond vocab_size, which nothing writes).
+  [[nodiscard]] Canonical source(const ReceiverElement& e) const {
+    const ModelSpec& m = hf_->spec();
+    const ReceiverTensor& x = (*this)[e.tensor];
+    const std::int64_t H = m.hidden, d = m.head_dim, Ts = t_.tp, ts = e.ts, L = x.layer;
+    const std::int64_t cols = x.shape.back();
+    switch (x.kind) {
+      case ReceiverKind::embed:
+      case ReceiverKind::lm_head: {
+        const std::int64_t r = ts * (vs_ / Ts) + e.index / H;
+        if (r >= m.vocab) return {};
+        return {hf_->id(x.kind == ReceiverKind::embed ? HfKind::embed : HfKind::lm_head),
+                r * H + e.index % H};
+      }
+      case ReceiverKind::qkv: {
+        const std::int64_t row = e.index / H, col = e.index % H;
+        const std::int64_t q_local = m.q_rows() / Ts, block = nkl_ * d;
+        if (row < q_local) return {hf_->id(HfKind::q, L), (ts * q_local + row) * H + col};
+        const std::int64_t kv = row - q_local;
+        const HfKind k = kv < block ? HfKind::k : HfKind::v;
+        return {hf_->id(k, L), ((ts / rep_) * block + kv % block) * H + col};
+      }
+      case ReceiverKind::o:
+      case ReceiverKind::down: {
+        const std::int64_t row = e.index / cols, col = e.index % cols;
+        const std::int64_t full = x.kind == ReceiverKind::o ? m.q_rows() : m.intermediate;
+        return {hf_->id(x.kind == ReceiverKind::o ? HfKind::o : HfKind::down, L),
+                row * full + ts * cols + col};
+      }
+      case ReceiverKind::gate_up: {
+        const std::int64_t row = e.index / H, col = e.index % H, per = m.intermediate / Ts;
+        const HfKind k = row < per ? HfKind::gate : HfKind::up;
+        return {hf_->id(k, L), (ts * per + row % per) * H + col};
+      }
+      case ReceiverKind::w13:
+      case ReceiverKind::w2: {
+        const std::int64_t Ms = t_.moe_tp(), El = m.experts / t_.ep;
+        const std::int64_t w = m.moe_intermediate / Ms;
+        const std::int64_t ep_rank = ts / Ms, tp_rank = ts % Ms;
+        if (x.kind == ReceiverKind::w2) {
+          const std::int64_t j = e.index / (H * w), rest = e.index % (H * w);
+          const std::int64_t row = rest / w, col = rest % w;
+          return {hf_->id(HfKind::expert_down, L, ep_rank * El + j),
+                  row * m.moe_intermediate + tp_rank * w + col};
+        }
+        const std::int64_t j = e.index / (2 * w * H), rest = e.index % (2 * w * H);
+        const std::int64_t row = rest / H, col = rest % H;
+        const HfKind k = row < w ? HfKind::expert_gate : HfKind::expert_up;
+        return {hf_->id(k, L, ep_rank * El + j), (tp_rank * w + row % w) * H + col};
+      }
+      case ReceiverKind::input_norm:
+        return {hf_->id(HfKind::input_norm, L), e.index};
+      case ReceiverKind::q_norm:
+        return {hf_->id(HfKind::q_norm, L), e.index};
+      case ReceiverKind::k_norm:
+        return {hf_->id(HfKind::k_norm, L), e.index};
+      case ReceiverKind::post_norm:
+        return {hf_->id(HfKind::post_norm, L), e.index};
+      case ReceiverKind::router:
+        return {hf_->id(HfKind::router, L), e.index};
+      case ReceiverKind::final_norm:
+        return {hf_->id(HfKind::final_norm), e.index};
+    }
+    return {};
+  }
+
+  // Receiver elements per TP rank that hold data (the vocabulary tail excluded).
+  [[nodiscard]] std::int64_t live_elements(std::int64_t ts) const {
+    const ModelSpec& m = hf_->spec();
+    std::int64_t n = 0;
+    const std::int64_t per = vs_ / t_.tp;
+    const std::int64_t vocab_rows = std::clamp<std::int64_t>(m.vocab - ts * per, 0, per);
+    for (const ReceiverTensor& x : tensors_) {
+      n += (x.kind == ReceiverKind::embed || x.kind == ReceiverKind::lm_head)
+               ? vocab_rows * m.hidden
+               : x.numel;
+    }
+    return n;
+  }
+
+ private:
+  const HfModel* hf_;
+  InferTopology t_;
+  std::int64_t vs_ = 0, nkl_ = 1, rep_ = 1, per_layer_ = 8;
+  std::vector<ReceiverTensor> tensors_;
+};
+
+}  // namespace dte::layout

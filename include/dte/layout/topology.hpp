@@ -1,0 +1,221 @@
+// SPDX-License-Identifier: Apache-2.0
+// Trainer (Megatron-Core) and receiver (SGLang/vLLM) topologies: parsing of the `--train` and
+// `--infer` syntax, derived sizes, and the divisibility rules that decide whether a topology can
+// hold a model at all. Every refusal names the field and the values.
+#pragma once
+
+#include <charconv>
+#include <cstdint>
+#include <numeric>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "dte/error.hpp"
+#include "dte/layout/model.hpp"
+
+namespace dte::layout {
+
+struct TrainTopology {
+  std::int64_t tp = 1;   // Tm
+  std::int64_t pp = 1;   // PP
+  std::int64_t ep = 1;   // EPm (experts)
+  std::int64_t etp = 1;  // Te (expert tensor parallel)
+  std::int64_t dp = 1;   // dense data parallel (the distributed optimizer shards over it)
+  std::vector<std::int64_t> layer_split;  // layers per pipeline stage; empty: uniform L/PP
+  std::int64_t bucket_size = 0;           // elements per DDP bucket; 0: one bucket per buffer
+  std::int64_t vocab_divisible_by = 128;  // Megatron --make-vocab-size-divisible-by
+
+  // Expert data parallel size: the world is tp*dp*pp for dense and etp*ep*edp*pp for experts.
+  [[nodiscard]] std::int64_t edp() const noexcept { return tp * dp / (etp * ep); }
+  [[nodiscard]] std::int64_t world() const noexcept { return tp * dp * pp; }
+
+  // Megatron's padded vocabulary: ceil(V / (divisible_by * Tm)) * divisible_by * Tm.
+  [[nodiscard]] std::int64_t padded_vocab(std::int64_t vocab) const noexcept {
+    const std::int64_t m = vocab_divisible_by * tp;
+    return (vocab + m - 1) / m * m;
+  }
+
+  [[nodiscard]] std::int64_t stage_layers(std::int64_t stage, std::int64_t layers) const {
+    return layer_split.empty() ? layers / pp : layer_split.at(static_cast<std::size_t>(stage));
+  }
+  [[nodiscard]] std::int64_t stage_offset(std::int64_t stage, std::int64_t layers) const {
+    std::int64_t offset = 0;
+    for (std::int64_t s = 0; s < stage; ++s)
+      offset += stage_layers(s, layers);
+    return offset;
+  }
+};
+
+struct InferTopology {
+  std::int64_t tp = 1;        // Ts
+  std::int64_t ep = 1;        // EPs (SGLang --ep-size)
+  std::int64_t replicas = 1;  // inference data-parallel copies
+
+  [[nodiscard]] std::int64_t moe_tp() const noexcept { return tp / ep; }  // Ms
+  [[nodiscard]] std::int64_t ranks() const noexcept { return tp * replicas; }
+  // SGLang/vLLM pad the vocabulary to a multiple of 64 and split that evenly.
+  [[nodiscard]] static std::int64_t padded_vocab(std::int64_t vocab) noexcept {
+    return (vocab + 63) / 64 * 64;
+  }
+};
+
+namespace detail {
+
+inline std::int64_t parse_positive(std::string_view flag, std::string_view key,
+                                   std::string_view text) {
+  std::int64_t v = 0;
+  const auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc{} || ptr != text.data() + text.size() || v < 1) {
+    throw invalid_argument(std::string(flag) + ": " + std::string(key) + "=" + std::string(text) +
+                           " is not a positive integer");
+  }
+  return v;
+}
+
+// "a=1,b=2" -> calls set(key, value) for each pair.
+template <class Set>
+void parse_pairs(std::string_view flag, std::string_view spec, Set&& set) {
+  if (spec.empty()) throw invalid_argument(std::string(flag) + ": empty topology");
+  std::size_t pos = 0;
+  while (pos <= spec.size()) {
+    const std::size_t comma = std::min(spec.find(',', pos), spec.size());
+    const std::string_view item = spec.substr(pos, comma - pos);
+    const std::size_t eq = item.find('=');
+    if (eq == std::string_view::npos || eq == 0) {
+      throw invalid_argument(std::string(flag) + ": '" + std::string(item) +
+                             "' is not key=value (example: tp=4,pp=2,dp=2)");
+    }
+    set(item.substr(0, eq), item.substr(eq + 1));
+    pos = comma + 1;
+  }
+}
+
+inline void require_divides(std::string_view side, std::string_view what, std::int64_t value,
+                            std::string_view by_what, std::int64_t by) {
+  if (by > 0 && value % by == 0) return;
+  throw invalid_argument(std::string(side) + ": " + std::string(what) + " (" +
+                         std::to_string(value) + ") is not divisible by " + std::string(by_what) +
+                         " (" + std::to_string(by) + ")");
+}
+
+}  // namespace detail
+
+// --train tp=4,pp=2,ep=8,etp=1,dp=4[,split=10:8][,bucket=N][,vocab_div=128]
+inline TrainTopology parse_train_topology(std::string_view spec) {
+  TrainTopology t;
+  detail::parse_pairs("--train", spec, [&](std::string_view key, std::string_view value) {
+    if (key == "tp") {
+      t.tp = detail::parse_positive("--train", key, value);
+    } else if (key == "pp") {
+      t.pp = detail::parse_positive("--train", key, value);
+    } else if (key == "ep") {
+      t.ep = detail::parse_positive("--train", key, value);
+    } else if (key == "etp") {
+      t.etp = detail::parse_positive("--train", key, value);
+    } else if (key == "dp") {
+      t.dp = detail::parse_positive("--train", key, value);
+    } else if (key == "bucket") {
+      t.bucket_size = detail::parse_positive("--train", key, value);
+    } else if (key == "vocab_div") {
+      t.vocab_divisible_by = detail::parse_positive("--train", key, value);
+    } else if (key == "split") {
+      t.layer_split.clear();
+      std::size_t pos = 0;
+      while (pos <= value.size()) {
+        const std::size_t colon = std::min(value.find(':', pos), value.size());
+        t.layer_split.push_back(
+            detail::parse_positive("--train", "split", value.substr(pos, colon - pos)));
+        pos = colon + 1;
+      }
+    } else {
+      throw invalid_argument("--train: unknown key '" + std::string(key) +
+                             "'; keys: tp, pp, ep, etp, dp, split, bucket, vocab_div");
+    }
+  });
+  return t;
+}
+
+// --infer tp=8,ep=8,replicas=2
+inline InferTopology parse_infer_topology(std::string_view spec) {
+  InferTopology t;
+  detail::parse_pairs("--infer", spec, [&](std::string_view key, std::string_view value) {
+    if (key == "tp") {
+      t.tp = detail::parse_positive("--infer", key, value);
+    } else if (key == "ep") {
+      t.ep = detail::parse_positive("--infer", key, value);
+    } else if (key == "replicas" || key == "dp") {
+      t.replicas = detail::parse_positive("--infer", key, value);
+    } else {
+      throw invalid_argument("--infer: unknown key '" + std::string(key) +
+                             "'; keys: tp, ep, replicas");
+    }
+  });
+  return t;
+}
+
+// Can this trainer topology hold this model? (Megatron-Core's own constraints.)
+inline void validate(const ModelSpec& m, const TrainTopology& t) {
+  using detail::require_divides;
+  const std::string_view side = "--train";
+  require_divides(side, "num_attention_heads", m.heads, "tp", t.tp);
+  require_divides(side, "QKV rows (heads + 2*kv_heads)*head_dim",
+                  (m.heads + 2 * m.kv_heads) * m.head_dim, "tp", t.tp);
+  if (m.kv_heads >= t.tp) {
+    require_divides(side, "num_key_value_heads", m.kv_heads, "tp", t.tp);
+  } else {
+    require_divides(side, "tp", t.tp, "num_key_value_heads", m.kv_heads);
+  }
+  if (!m.moe()) require_divides(side, "intermediate_size", m.intermediate, "tp", t.tp);
+  if (t.layer_split.empty()) {
+    require_divides(side, "num_hidden_layers", m.layers, "pp", t.pp);
+  } else {
+    std::int64_t sum = 0;
+    for (std::int64_t n : t.layer_split)
+      sum += n;
+    if (static_cast<std::int64_t>(t.layer_split.size()) != t.pp || sum != m.layers) {
+      throw invalid_argument(
+          "--train: split has " + std::to_string(t.layer_split.size()) + " stages summing to " +
+          std::to_string(sum) + " layers; it needs pp (" + std::to_string(t.pp) +
+          ") stages summing to num_hidden_layers (" + std::to_string(m.layers) + ")");
+    }
+  }
+  if (m.moe()) {
+    require_divides(side, "num_experts", m.experts, "ep", t.ep);
+    require_divides(side, "moe_intermediate_size", m.moe_intermediate, "etp", t.etp);
+    require_divides(side, "tp*dp", t.tp * t.dp, "etp*ep", t.etp * t.ep);
+  } else if (t.ep != 1 || t.etp != 1) {
+    throw invalid_argument("--train: ep=" + std::to_string(t.ep) +
+                           ", etp=" + std::to_string(t.etp) + " given for the dense model '" +
+                           m.name + "', which has no experts; drop them");
+  }
+}
+
+// Can this receiver topology hold this model? (SGLang's loaders' constraints.)
+inline void validate(const ModelSpec& m, const InferTopology& t) {
+  using detail::require_divides;
+  const std::string_view side = "--infer";
+  require_divides(side, "num_attention_heads", m.heads, "tp", t.tp);
+  if (t.tp > m.kv_heads) {
+    require_divides(side, "tp", t.tp, "num_key_value_heads", m.kv_heads);
+  } else {
+    require_divides(side, "num_key_value_heads", m.kv_heads, "tp", t.tp);
+  }
+  require_divides(side, "padded vocabulary (vocab_size rounded up to 64)",
+                  InferTopology::padded_vocab(m.vocab), "tp", t.tp);
+  if (m.moe()) {
+    require_divides(side, "tp", t.tp, "ep", t.ep);
+    require_divides(side, "num_experts", m.experts, "ep", t.ep);
+    require_divides(side, "moe_intermediate_size", m.moe_intermediate, "moe tp (tp/ep)",
+                    t.moe_tp());
+  } else {
+    require_divides(side, "intermediate_size", m.intermediate, "tp", t.tp);
+    if (t.ep != 1) {
+      throw invalid_argument("--infer: ep=" + std::to_string(t.ep) +
+                             " given for the dense model '" + m.name +
+                             "', which has no experts; drop it");
+    }
+  }
+}
+
+}  // namespace dte::layout
