@@ -13,5 +13,6 @@ inline constexpr int exit_check_failed = 1;  // ran fine, and found a problem (e
 inline constexpr int exit_bad_input = 2;     // refused its input: message on stderr
 
 void register_audit_inverse(CLI::App& app, int& status);
+void register_plan(CLI::App& app, int& status);
 
 }  // namespace dte::tool

@@ -12,6 +12,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   int status = dte::tool::exit_ok;
   dte::tool::register_audit_inverse(app, status);
+  dte::tool::register_plan(app, status);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

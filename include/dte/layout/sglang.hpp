@@ -229,6 +229,39 @@ class SglangLayout {
     }
   }
 
+  // How many elements from c onwards (within its HF tensor) keep every target index-contiguous:
+  // the run ends where a receiver rank's row block or column chunk ends.
+  [[nodiscard]] std::int64_t contiguous(Canonical c) const {
+    const ModelSpec& m = hf_->spec();
+    const HfTensor& x = (*hf_)[c.tensor];
+    const std::int64_t H = m.hidden, Ts = t_.tp;
+    auto to_block_end = [&](std::int64_t block) { return block - c.index % block; };
+    switch (x.kind) {
+      case HfKind::embed:
+      case HfKind::lm_head:
+        return to_block_end((vs_ / Ts) * H);
+      case HfKind::q:
+        return to_block_end((m.q_rows() / Ts) * H);
+      case HfKind::k:
+      case HfKind::v:
+        return to_block_end(nkl_ * m.head_dim * H);
+      case HfKind::gate:
+      case HfKind::up:
+        return to_block_end((m.intermediate / Ts) * H);
+      case HfKind::o:
+        return to_block_end(m.q_rows() / Ts);
+      case HfKind::down:
+        return to_block_end(m.intermediate / Ts);
+      case HfKind::expert_gate:
+      case HfKind::expert_up:
+        return to_block_end((m.moe_intermediate / t_.moe_tp()) * H);
+      case HfKind::expert_down:
+        return to_block_end(m.moe_intermediate / t_.moe_tp());
+      default:
+        return x.numel() - c.index;  // replicated: identity
+    }
+  }
+
   // The inverse: which canonical element a receiver element holds (tensor -1: the zero-filled
   // vocabulary tail beyond vocab_size, which nothing writes).
   [[nodiscard]] Canonical source(const ReceiverElement& e) const {
