@@ -19,6 +19,35 @@ namespace dte::layout {
 
 enum class BufferKind : std::uint8_t { dense = 0, expert = 1 };
 
+// The two distributed-optimizer buffers of one rank ([0] dense, [1] expert) and the slices of
+// each that this rank owns, in shard order.
+struct RankBuffers {
+  BufferLayout layout[2];
+  std::vector<Bucket> owned[2];
+};
+
+// Megatron's own layout for a rank (what _ParamAndGradBuffer computes).
+inline RankBuffers megatron_rank_buffers(const std::vector<MegatronParam>& params,
+                                         const TrainTopology& t, const TrainRank& r) {
+  RankBuffers out;
+  for (BufferKind kind : {BufferKind::dense, BufferKind::expert}) {
+    const bool expert = kind == BufferKind::expert;
+    std::vector<std::int64_t> ids, numels;
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      if (params[i].is_expert() == expert) {
+        ids.push_back(static_cast<std::int64_t>(i));
+        numels.push_back(params[i].numel());
+      }
+    }
+    // Megatron uses a single bucket on every pipeline stage but the first.
+    const int k = static_cast<int>(kind);
+    out.layout[k] =
+        megatron_buffer_layout(ids, numels, expert ? t.edp() : t.dp, r.pp > 0 ? 0 : t.bucket_size);
+    out.owned[k] = out.layout[k].owned(expert ? r.edp : r.dp);
+  }
+  return out;
+}
+
 // Where one trainer element goes: receiver rank (replica * inference TP + TP rank), receiver
 // tensor id (SglangLayout), flat index in the receiver-local tensor.
 struct RouteTarget {
@@ -37,45 +66,15 @@ struct PlanSegment {
 
 class TransferPlan {
  public:
+  // The plan for Megatron's own buffer layout (computed from the topology).
   TransferPlan(const HfModel& hf, const TrainTopology& t, const SglangLayout& receivers,
                std::int64_t global_rank)
-      : hf_(&hf),
-        receivers_(&receivers),
-        map_(hf, t, train_rank(t, global_rank)),
-        params_(megatron_params(hf.spec(), t, map_.rank())) {
-    const TrainRank& r = map_.rank();
-    for (BufferKind kind : {BufferKind::dense, BufferKind::expert}) {
-      std::vector<std::int64_t> ids, numels;
-      for (std::size_t i = 0; i < params_.size(); ++i) {
-        if (params_[i].is_expert() == (kind == BufferKind::expert)) {
-          ids.push_back(static_cast<std::int64_t>(i));
-          numels.push_back(params_[i].numel());
-        }
-      }
-      const std::int64_t dp = kind == BufferKind::expert ? t.edp() : t.dp;
-      const std::int64_t me = kind == BufferKind::expert ? r.edp : r.dp;
-      // Megatron uses a single bucket on every pipeline stage but the first.
-      const BufferLayout layout =
-          megatron_buffer_layout(ids, numels, dp, r.pp > 0 ? 0 : t.bucket_size);
-      auto& segs = segments_[static_cast<int>(kind)];
-      std::int64_t shard_pos = 0;
-      for (const Bucket& slice : layout.owned(me)) {
-        for (const BufferParam& bp : layout.params) {
-          const std::int64_t lo = std::max(slice.start, bp.start);
-          const std::int64_t hi = std::min(slice.end, bp.start + bp.numel);
-          if (lo >= hi) continue;
-          const MegatronParam& p = params_[static_cast<std::size_t>(bp.param)];
-          segs.push_back({shard_pos + (lo - slice.start), hi - lo, lo - bp.start,
-                          static_cast<std::int32_t>(bp.param), map_.is_sender(p)});
-        }
-        shard_pos += slice.end - slice.start;
-      }
-      std::sort(segs.begin(), segs.end(), [](const PlanSegment& a, const PlanSegment& b) {
-        return a.shard_begin < b.shard_begin;
-      });
-      shard_size_[static_cast<int>(kind)] = layout.shard_size();
-    }
-  }
+      : TransferPlan(hf, t, receivers, global_rank, nullptr) {}
+
+  // The plan for a buffer layout the trainer dumped (dte/io/buffer_layout.hpp reads it).
+  TransferPlan(const HfModel& hf, const TrainTopology& t, const SglangLayout& receivers,
+               std::int64_t global_rank, const RankBuffers& dumped)
+      : TransferPlan(hf, t, receivers, global_rank, &dumped) {}
 
   [[nodiscard]] const TrainRank& rank() const noexcept { return map_.rank(); }
   [[nodiscard]] const std::vector<MegatronParam>& params() const noexcept { return params_; }
@@ -130,6 +129,37 @@ class TransferPlan {
   }
 
  private:
+  TransferPlan(const HfModel& hf, const TrainTopology& t, const SglangLayout& receivers,
+               std::int64_t global_rank, const RankBuffers* dumped)
+      : hf_(&hf),
+        receivers_(&receivers),
+        map_(hf, t, train_rank(t, global_rank)),
+        params_(megatron_params(hf.spec(), t, map_.rank())) {
+    const RankBuffers buffers =
+        dumped != nullptr ? *dumped : megatron_rank_buffers(params_, t, map_.rank());
+    for (BufferKind kind : {BufferKind::dense, BufferKind::expert}) {
+      const int k = static_cast<int>(kind);
+      const BufferLayout& layout = buffers.layout[k];
+      auto& segs = segments_[k];
+      std::int64_t shard_pos = 0;
+      for (const Bucket& slice : buffers.owned[k]) {
+        for (const BufferParam& bp : layout.params) {
+          const std::int64_t lo = std::max(slice.start, bp.start);
+          const std::int64_t hi = std::min(slice.end, bp.start + bp.numel);
+          if (lo >= hi) continue;
+          const MegatronParam& p = params_[static_cast<std::size_t>(bp.param)];
+          segs.push_back({shard_pos + (lo - slice.start), hi - lo, lo - bp.start,
+                          static_cast<std::int32_t>(bp.param), map_.is_sender(p)});
+        }
+        shard_pos += slice.end - slice.start;
+      }
+      std::sort(segs.begin(), segs.end(), [](const PlanSegment& a, const PlanSegment& b) {
+        return a.shard_begin < b.shard_begin;
+      });
+      shard_size_[k] = shard_pos;
+    }
+  }
+
   const HfModel* hf_;
   const SglangLayout* receivers_;
   MegatronToHF map_;
