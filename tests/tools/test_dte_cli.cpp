@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -183,4 +184,144 @@ TEST_CASE("bad input is refused with exit 2 and a clear message") {
     CHECK(r.status == 2);
     CHECK_MESSAGE(r.output.find("dte: error:") != std::string::npos, r.output);
   }
+}
+
+namespace {
+
+std::string write_text(const std::string& name, const std::string& text) {
+  const auto path = temp_dir() / name;
+  FILE* f = std::fopen(path.c_str(), "wb");
+  std::fputs(text.c_str(), f);
+  std::fclose(f);
+  return path.string();
+}
+
+const char* kTinyMoeConfig = R"({"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 32,
+  "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16,
+  "intermediate_size": 48, "moe_intermediate_size": 16, "num_experts": 8,
+  "num_experts_per_tok": 2, "vocab_size": 300, "tie_word_embeddings": false})";
+
+}  // namespace
+
+TEST_CASE("dte plan: JSON report with exact coverage") {
+  const Run r = run_dte(
+      "plan --model tiny-qwen3-moe --train tp=2,pp=2,ep=2,etp=2,dp=2 --infer tp=4,ep=2,replicas=2 "
+      "--json");
+  REQUIRE(r.status == 0);
+  const auto j = nlohmann::json::parse(r.output);
+  CHECK(j.at("coverage_exact") == true);
+  CHECK(j.at("canonical_elements") == j.at("sender_elements"));
+  CHECK(j.at("receiver_elements") == j.at("receiver_writes"));
+  CHECK(j.at("source_elements").get<std::int64_t>() >=
+        j.at("canonical_elements").get<std::int64_t>());
+  CHECK(j.at("plan_bytes_max_rank").get<std::int64_t>() > 0);
+  CHECK(j.contains("build_seconds"));
+  const Run table = run_dte("plan --model tiny-qwen3 --train tp=2,dp=2 --infer tp=4");
+  CHECK(table.status == 0);
+  CHECK_MESSAGE(table.output.find("coverage            exact") != std::string::npos, table.output);
+}
+
+TEST_CASE("dte plan: a config.json gives the same plan as the preset") {
+  const std::string cfg = write_text("tiny-moe-config.json", kTinyMoeConfig);
+  const std::string args = " --train tp=4,ep=4 --infer tp=8,ep=2 --json";
+  auto a = nlohmann::json::parse(run_dte("plan --model " + cfg + args).output);
+  auto b = nlohmann::json::parse(run_dte("plan --model tiny-qwen3-moe" + args).output);
+  for (const char* k : {"coverage_exact", "source_elements", "canonical_elements",
+                        "receiver_elements", "plan_bytes_max_rank"}) {
+    CHECK(a.at(k) == b.at(k));
+  }
+}
+
+TEST_CASE("dte plan: topologies and configs that cannot work are refused (exit 2)") {
+  auto refused = [](const std::string& args, const std::string& text) {
+    const Run r = run_dte("plan " + args);
+    CHECK(r.status == 2);
+    CHECK_MESSAGE(r.output.find(text) != std::string::npos, r.output);
+  };
+  refused("--model tiny-qwen3 --train tp=3", "num_attention_heads (8) is not divisible by tp (3)");
+  refused("--model tiny-qwen3-moe --train tp=2,ep=3", "num_experts (8) is not divisible by ep (3)");
+  refused("--model tiny-qwen3 --train tp=1 --infer tp=16",
+          "num_attention_heads (8) is not divisible by tp (16)");
+  refused("--model qwen3-30b-a3b --train tp=4,ep=8,dp=2 --infer tp=8,ep=3",
+          "tp (8) is not divisible by ep (3)");
+  refused("--model mistral --train tp=1", "unknown model preset 'mistral'");
+  std::string no_kv = kTinyMoeConfig;
+  no_kv.replace(no_kv.find("\"num_key_value_heads\": 2, "), 26, "");
+  refused("--model " + write_text("no-kv.json", no_kv) + " --train tp=1",
+          "field 'num_key_value_heads' is missing");
+  std::string llama = kTinyMoeConfig;
+  llama.replace(llama.find("Qwen3MoeForCausalLM"), 19, "LlamaForCausalLM");
+  refused("--model " + write_text("llama.json", llama) + " --train tp=1",
+          "unknown architecture 'LlamaForCausalLM'");
+}
+
+TEST_CASE("dte plan: a dumped buffer layout is read back, checked and used") {
+  const std::string topo = " --model tiny-qwen3-moe --train tp=2,pp=2,ep=2,dp=2 --infer tp=4,ep=2";
+  const std::string file = (temp_dir() / "layout.json").string();
+  REQUIRE(run_dte("plan" + topo + " --write-buffer-layout " + file).status == 0);
+  const Run same = run_dte("plan" + topo + " --buffer-layout " + file + " --json");
+  CHECK(same.status == 0);
+  CHECK(nlohmann::json::parse(same.output).at("coverage_exact") == true);
+
+  std::ifstream in(file);
+  const nlohmann::json layout = nlohmann::json::parse(in);
+  SUBCASE("a slice moved by one element: coverage is not exact, exit 1") {
+    nlohmann::json j = layout;
+    j["ranks"][0]["buffers"]["dense"]["owned"][0][0] =
+        j["ranks"][0]["buffers"]["dense"]["owned"][0][0].get<int>() + 1;
+    const Run r = run_dte("plan" + topo + " --buffer-layout " + write_text("moved.json", j.dump()));
+    CHECK(r.status == 1);
+    CHECK_MESSAGE(r.output.find("NOT EXACT") != std::string::npos, r.output);
+  }
+  SUBCASE("a wrong shape is refused, exit 2") {
+    nlohmann::json j = layout;
+    j["ranks"][0]["buffers"]["dense"]["params"][0]["shape"] = {1, 1};
+    const Run r = run_dte("plan" + topo + " --buffer-layout " + write_text("shape.json", j.dump()));
+    CHECK(r.status == 2);
+    CHECK_MESSAGE(r.output.find("but the model says") != std::string::npos, r.output);
+  }
+  SUBCASE("overlapping parameters are refused, exit 2") {
+    nlohmann::json j = layout;
+    j["ranks"][0]["buffers"]["dense"]["params"][1]["start"] =
+        j["ranks"][0]["buffers"]["dense"]["params"][0]["start"];
+    const Run r =
+        run_dte("plan" + topo + " --buffer-layout " + write_text("overlap.json", j.dump()));
+    CHECK(r.status == 2);
+    CHECK_MESSAGE(r.output.find("overlap") != std::string::npos, r.output);
+  }
+  SUBCASE("a module. prefix is accepted") {
+    nlohmann::json j = layout;
+    for (auto& rank : j["ranks"]) {
+      for (auto& p : rank["buffers"]["dense"]["params"])
+        p["name"] = "module.module." + p["name"].get<std::string>();
+    }
+    const Run r = run_dte("plan" + topo + " --buffer-layout " +
+                          write_text("prefixed.json", j.dump()) + " --json");
+    CHECK(r.status == 0);
+  }
+}
+
+TEST_CASE("dte plan --dump-map: one CSV line per route") {
+  const std::string csv = (temp_dir() / "map.csv").string();
+  const Run r = run_dte(
+      "plan --model tiny-qwen3-moe --train tp=2,ep=2,dp=2 --infer tp=2,replicas=2 --json "
+      "--dump-map " +
+      csv);
+  REQUIRE(r.status == 0);
+  const auto j = nlohmann::json::parse(r.output);
+  std::ifstream in(csv);
+  std::string header, line;
+  std::getline(in, header);
+  CHECK(header == "src_tp,src_pp,src_ep,src_dp,src_param,src_index,dst_rank,dst_tensor,dst_index");
+  std::int64_t lines = 0;
+  bool expert_seen = false;
+  while (std::getline(in, line)) {
+    ++lines;
+    expert_seen = expert_seen || line.find("mlp.experts.w13_weight") != std::string::npos;
+  }
+  CHECK(lines == j.at("receiver_writes").get<std::int64_t>());
+  CHECK(expert_seen);
+  const Run big = run_dte("plan --model qwen3-8b --train tp=8 --dump-map " + csv);
+  CHECK(big.status == 2);
+  CHECK_MESSAGE(big.output.find("use a tiny model") != std::string::npos, big.output);
 }

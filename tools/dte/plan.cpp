@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.hpp"
+#include "dte/io/buffer_layout.hpp"
 #include "dte/io/model_config.hpp"
 #include "dte/layout/coverage.hpp"
 #include "dte/layout/plan.hpp"
@@ -62,7 +63,7 @@ void register_plan(CLI::App& app, int& status) {
       "plan",
       "Build and validate the transfer plans from Megatron trainer ranks to SGLang receivers");
   struct Options {
-    std::string model, train, infer = "tp=1", dump;
+    std::string model, train, infer = "tp=1", dump, layout_in, layout_out;
     bool json = false;
   };
   auto o = std::make_shared<Options>();
@@ -77,6 +78,12 @@ void register_plan(CLI::App& app, int& status) {
       ->capture_default_str();
   cmd->add_flag("--json", o->json, "print one JSON object");
   cmd->add_option("--dump-map", o->dump, "write every element's route as CSV (small models only)");
+  cmd->add_option(
+         "--buffer-layout", o->layout_in,
+         "distributed-optimizer buffers as the trainer dumped them (JSON, see docs/layouts.md)")
+      ->check(CLI::ExistingFile);
+  cmd->add_option("--write-buffer-layout", o->layout_out,
+                  "write the buffer layout dte assumes for this topology (same JSON format)");
   cmd->callback([o, &status] {
     const ModelSpec m = io::load_model(o->model);
     const TrainTopology train = parse_train_topology(o->train);
@@ -85,6 +92,22 @@ void register_plan(CLI::App& app, int& status) {
     validate(m, infer);
     const HfModel hf(m);
     const SglangLayout recv(hf, infer);
+    if (!o->layout_out.empty()) {
+      std::ofstream out(o->layout_out);
+      out << io::write_buffer_layout(hf, train).dump(1) << '\n';
+      if (!out.flush()) throw io_error("writing '" + o->layout_out + "' failed");
+    }
+    std::vector<RankBuffers> dumped;
+    if (!o->layout_in.empty()) {
+      std::ifstream in(o->layout_in);
+      nlohmann::json j;
+      try {
+        j = nlohmann::json::parse(in);
+      } catch (const nlohmann::json::exception& e) {
+        throw format_error(o->layout_in + ": not valid JSON (" + e.what() + ")");
+      }
+      dumped = io::read_buffer_layout(j, hf, train, o->layout_in);
+    }
 
     std::vector<TransferPlan> plans;
     plans.reserve(static_cast<std::size_t>(train.world()));
@@ -92,7 +115,11 @@ void register_plan(CLI::App& app, int& status) {
     std::int64_t bytes_max = 0, bytes_total = 0;
     for (std::int64_t g = 0; g < train.world(); ++g) {
       const auto t0 = std::chrono::steady_clock::now();
-      plans.emplace_back(hf, train, recv, g);
+      if (dumped.empty()) {
+        plans.emplace_back(hf, train, recv, g);
+      } else {
+        plans.emplace_back(hf, train, recv, g, dumped[static_cast<std::size_t>(g)]);
+      }
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       build_max = std::max(build_max, s);
       build_total += s;

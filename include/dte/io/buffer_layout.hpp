@@ -1,0 +1,166 @@
+// SPDX-License-Identifier: Apache-2.0
+// The distributed-optimizer buffer layout as a trainer dumps it, so dte does not have to trust a
+// hard-coded parameter order. JSON, one entry per trainer rank:
+//
+// {"format": "dte.buffer_layout/1",
+//  "ranks": [{"rank": 0,
+//             "buffers": {"dense":  {"size": N, "params": [{"name": "...", "shape": [r, c],
+//                                                            "start": s}, ...],
+//                                    "owned": [[begin, end], ...]},
+//                         "expert": {...}}}, ...]}
+//
+// name: the Megatron local parameter name (a leading "module." is ignored, any number of
+// times); start: its first element in the flat buffer; owned: the buffer ranges this rank's
+// optimizer shard holds, in shard order (Megatron: one per bucket, from param_index_map and
+// the bucket's DP slice). write_buffer_layout() produces the same format from dte's own model
+// of Megatron, which is the easiest way to diff a real trainer's dump against it.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "dte/error.hpp"
+#include "dte/layout/plan.hpp"
+
+namespace dte::io {
+
+inline constexpr const char* buffer_layout_format = "dte.buffer_layout/1";
+
+inline nlohmann::json write_buffer_layout(const layout::HfModel& hf,
+                                          const layout::TrainTopology& t) {
+  nlohmann::json ranks = nlohmann::json::array();
+  for (std::int64_t g = 0; g < t.world(); ++g) {
+    const layout::TrainRank r = layout::train_rank(t, g);
+    const auto params = layout::megatron_params(hf.spec(), t, r);
+    const layout::RankBuffers b = layout::megatron_rank_buffers(params, t, r);
+    nlohmann::json buffers;
+    for (int k = 0; k < 2; ++k) {
+      nlohmann::json ps = nlohmann::json::array();
+      for (const layout::BufferParam& bp : b.layout[k].params) {
+        const auto& p = params[static_cast<std::size_t>(bp.param)];
+        ps.push_back({{"name", p.name()}, {"shape", p.shape()}, {"start", bp.start}});
+      }
+      nlohmann::json owned = nlohmann::json::array();
+      for (const layout::Bucket& s : b.owned[k])
+        owned.push_back({s.start, s.end});
+      buffers[k == 0 ? "dense" : "expert"] = {
+          {"size", b.layout[k].size()}, {"params", ps}, {"owned", owned}};
+    }
+    ranks.push_back({{"rank", g}, {"buffers", buffers}});
+  }
+  return {{"format", buffer_layout_format}, {"ranks", ranks}};
+}
+
+// Reads and checks a dumped layout against the model and topology: every parameter of every
+// rank exactly once, in the right buffer, with its shape, without overlaps, inside the buffer;
+// owned ranges inside the buffer and disjoint. (That DP ranks' slices tile each buffer is then
+// shown by layout::check_coverage.) Returns one RankBuffers per trainer rank.
+inline std::vector<layout::RankBuffers> read_buffer_layout(const nlohmann::json& j,
+                                                           const layout::HfModel& hf,
+                                                           const layout::TrainTopology& t,
+                                                           const std::string& source) {
+  auto fail = [&](const std::string& what) { throw invalid_argument(source + ": " + what); };
+  if (!j.is_object() || j.value("format", std::string()) != buffer_layout_format) {
+    fail(std::string("not a buffer layout: expected \"format\": \"") + buffer_layout_format + "\"");
+  }
+  const auto& ranks = j.at("ranks");
+  if (!ranks.is_array() || static_cast<std::int64_t>(ranks.size()) != t.world()) {
+    fail("has " + std::to_string(ranks.is_array() ? ranks.size() : 0) +
+         " ranks but the trainer topology has " + std::to_string(t.world()));
+  }
+  std::vector<layout::RankBuffers> out(static_cast<std::size_t>(t.world()));
+  std::vector<bool> seen(out.size(), false);
+  for (const auto& entry : ranks) {
+    const std::int64_t g = entry.at("rank").get<std::int64_t>();
+    if (g < 0 || g >= t.world() || seen[static_cast<std::size_t>(g)]) {
+      fail("rank " + std::to_string(g) + " is out of range or listed twice");
+    }
+    seen[static_cast<std::size_t>(g)] = true;
+    const std::string where = "rank " + std::to_string(g);
+    const auto params = layout::megatron_params(hf.spec(), t, layout::train_rank(t, g));
+    std::map<std::string, std::int64_t> by_name;
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      by_name[params[i].name()] = static_cast<std::int64_t>(i);
+    }
+    std::vector<bool> placed(params.size(), false);
+    layout::RankBuffers& rb = out[static_cast<std::size_t>(g)];
+    for (int k = 0; k < 2; ++k) {
+      const char* kind = k == 0 ? "dense" : "expert";
+      const auto& buffers = entry.at("buffers");
+      if (!buffers.contains(kind)) continue;
+      const auto& b = buffers.at(kind);
+      const std::int64_t size = b.at("size").get<std::int64_t>();
+      layout::BufferLayout& bl = rb.layout[k];
+      for (const auto& p : b.at("params")) {
+        std::string name = p.at("name").get<std::string>();
+        while (name.rfind("module.", 0) == 0)
+          name.erase(0, 7);
+        const auto it = by_name.find(name);
+        if (it == by_name.end()) {
+          fail(where + ": parameter '" + name + "' is not one dte expects on this rank (" +
+               std::to_string(params.size()) + " expected; check --model and --train)");
+        }
+        const layout::MegatronParam& mp = params[static_cast<std::size_t>(it->second)];
+        if (mp.is_expert() != (k == 1)) {
+          fail(where + ": parameter '" + name + "' is in the " + kind + " buffer but is " +
+               (mp.is_expert() ? "an expert" : "a dense") + " parameter");
+        }
+        if (p.at("shape").get<std::vector<std::int64_t>>() != mp.shape()) {
+          fail(where + ": parameter '" + name + "' has shape " + p.at("shape").dump() +
+               " but the model says " + nlohmann::json(mp.shape()).dump());
+        }
+        if (placed[static_cast<std::size_t>(it->second)]) {
+          fail(where + ": parameter '" + name + "' is listed twice");
+        }
+        placed[static_cast<std::size_t>(it->second)] = true;
+        const std::int64_t start = p.at("start").get<std::int64_t>();
+        if (start < 0 || start + mp.numel() > size) {
+          fail(where + ": parameter '" + name + "' [" + std::to_string(start) + ", " +
+               std::to_string(start + mp.numel()) + ") lies outside the " + kind + " buffer of " +
+               std::to_string(size) + " elements");
+        }
+        bl.params.push_back({it->second, start, mp.numel()});
+      }
+      std::vector<layout::BufferParam> sorted = bl.params;
+      std::sort(sorted.begin(), sorted.end(),
+                [](const auto& a, const auto& b2) { return a.start < b2.start; });
+      for (std::size_t i = 1; i < sorted.size(); ++i) {
+        if (sorted[i].start < sorted[i - 1].start + sorted[i - 1].numel) {
+          fail(where + ": parameters '" +
+               params[static_cast<std::size_t>(sorted[i - 1].param)].name() + "' and '" +
+               params[static_cast<std::size_t>(sorted[i].param)].name() + "' overlap in the " +
+               kind + " buffer");
+        }
+      }
+      bl.buckets = {{0, size}};
+      std::vector<layout::Bucket> owned;
+      for (const auto& range : b.at("owned")) {
+        const auto v = range.get<std::vector<std::int64_t>>();
+        if (v.size() != 2 || v[0] < 0 || v[0] > v[1] || v[1] > size) {
+          fail(where + ": owned range " + range.dump() + " is not [begin, end] inside the " + kind +
+               " buffer of " + std::to_string(size) + " elements");
+        }
+        owned.push_back({v[0], v[1]});
+      }
+      std::vector<layout::Bucket> check = owned;
+      std::sort(check.begin(), check.end(),
+                [](const auto& a, const auto& b2) { return a.start < b2.start; });
+      for (std::size_t i = 1; i < check.size(); ++i) {
+        if (check[i].start < check[i - 1].end)
+          fail(where + ": owned ranges overlap in the " + std::string(kind) + " buffer");
+      }
+      rb.owned[k] = owned;
+    }
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      if (!placed[i]) fail(where + ": parameter '" + params[i].name() + "' is missing");
+    }
+  }
+  return out;
+}
+
+}  // namespace dte::io
