@@ -4,7 +4,9 @@
 applies every CSV route to the reference's Megatron tensors and checks that the receivers come
 out equal to the reference's receiver tensors, every live element written exactly once.
 
-  check_dump_map.py --reference DIR --map map.csv
+  check_dump_map.py --reference DIR --map map.csv [--hf]
+
+With --hf the map is `--infer hf` (the plain HF layout) and is checked against hf.safetensors.
 """
 import argparse
 import csv
@@ -35,9 +37,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reference", required=True)
     ap.add_argument("--map", required=True)
+    ap.add_argument("--hf", action="store_true", help="the map targets the unsharded HF layout")
     args = ap.parse_args()
     meg, _ = read_safetensors(args.reference + "/megatron.safetensors")
-    want, rmeta = read_safetensors(args.reference + "/receivers.safetensors")
+    want, _ = read_safetensors(args.reference + ("/hf.safetensors" if args.hf else "/receivers.safetensors"))
     got = {k: torch.full_like(v, float("nan")) for k, v in want.items()}
     count = {k: torch.zeros(v.numel(), dtype=torch.int32) for k, v in want.items()}
     rows = 0
@@ -55,7 +58,7 @@ def main():
                 src = f"expert.pp{r['src_pp']}.ep{r['src_ep']}.etp{r['src_tp']}.{p}"
             else:
                 src = f"dense.tp{r['src_tp']}.pp{r['src_pp']}.{p}"
-            dst = f"r{r['dst_rank']}.{r['dst_tensor']}"
+            dst = r["dst_tensor"] if args.hf else f"r{r['dst_rank']}.{r['dst_tensor']}"
             i = int(r["dst_index"])
             got[dst][i] = meg[src][int(r["src_index"])]
             count[dst][i] += 1

@@ -5,7 +5,11 @@ execute_process(COMMAND ${DTE} plan --model ${MODEL} --train ${TRAIN} --infer ${
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "dte plan --dump-map failed (${rc})")
 endif()
-execute_process(COMMAND ${PYTHON} ${SCRIPT} --reference ${REF} --map ${REF}/map.csv
+set(hf_flag "")
+if(INFER STREQUAL "hf")
+  set(hf_flag "--hf")
+endif()
+execute_process(COMMAND ${PYTHON} ${SCRIPT} --reference ${REF} --map ${REF}/map.csv ${hf_flag}
                 RESULT_VARIABLE rc)
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "check_dump_map.py found mismatches (${rc})")

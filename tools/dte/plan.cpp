@@ -24,7 +24,7 @@ using namespace dte::layout;
 constexpr std::int64_t kDumpLimit = 50'000'000;  // canonical elements
 
 void dump_map(const std::string& path, const HfModel& hf, const SglangLayout& recv,
-              const std::vector<TransferPlan>& plans) {
+              const std::vector<TransferPlan>& plans, bool to_hf) {
   if (hf.total() > kDumpLimit) {
     throw invalid_argument("--dump-map writes one line per route; the model has " +
                            std::to_string(hf.total()) + " elements (limit " +
@@ -45,6 +45,12 @@ void dump_map(const std::string& path, const HfModel& hf, const SglangLayout& re
                                    ",";
         for (std::int64_t i = 0; i < s.length; ++i) {
           const std::int64_t index = s.param_begin + i;
+          if (to_hf) {
+            const Canonical c = plan.canonical(b, s.shard_begin + i);
+            if (c.tensor >= 0)
+              out << prefix << index << ",0," << hf.name(c.tensor) << ',' << c.index << '\n';
+            continue;
+          }
           plan.route(b, s.shard_begin + i, [&](const RouteTarget& t) {
             out << prefix << index << ',' << t.rank << ',' << recv.name(t.tensor) << ',' << t.index
                 << '\n';
@@ -74,7 +80,9 @@ void register_plan(CLI::App& app, int& status) {
          "--train", o->train,
          "trainer topology: tp=,pp=,ep=,etp=,dp=[,split=a:b:...][,bucket=N][,vocab_div=128]")
       ->required();
-  cmd->add_option("--infer", o->infer, "receiver topology: tp=,ep=,replicas=")
+  cmd->add_option("--infer", o->infer,
+                  "receiver topology: tp=,ep=,replicas= (SGLang), or hf for the plain unsharded HF "
+                  "layout (storage)")
       ->capture_default_str();
   cmd->add_flag("--json", o->json, "print one JSON object");
   cmd->add_option("--dump-map", o->dump, "write every element's route as CSV (small models only)");
@@ -87,7 +95,8 @@ void register_plan(CLI::App& app, int& status) {
   cmd->callback([o, &status] {
     const ModelSpec m = io::load_model(o->model);
     const TrainTopology train = parse_train_topology(o->train);
-    const InferTopology infer = parse_infer_topology(o->infer);
+    const bool to_hf = o->infer == "hf";
+    const InferTopology infer = to_hf ? InferTopology{} : parse_infer_topology(o->infer);
     validate(m, train);
     validate(m, infer);
     const HfModel hf(m);
@@ -132,10 +141,10 @@ void register_plan(CLI::App& app, int& status) {
       fraction_max = std::max(fraction_max, static_cast<double>(bytes) / weight_bytes);
     }
     const auto t0 = std::chrono::steady_clock::now();
-    const CoverageReport cov = check_coverage(hf, recv, plans);
+    const CoverageReport cov = check_coverage(hf, recv, plans, !to_hf);
     const double coverage_s =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (!o->dump.empty()) dump_map(o->dump, hf, recv, plans);
+    if (!o->dump.empty()) dump_map(o->dump, hf, recv, plans, to_hf);
     status = cov.exact ? exit_ok : exit_check_failed;
 
     if (o->json) {

@@ -38,8 +38,11 @@ struct ReceiverRun {
 
 }  // namespace detail
 
+// receivers = false checks the trainer side only: the plain unsharded HF layout (storage) is the
+// canonical space itself.
 inline CoverageReport check_coverage(const HfModel& hf, const SglangLayout& recv,
-                                     const std::vector<TransferPlan>& plans) {
+                                     const std::vector<TransferPlan>& plans,
+                                     bool receivers = true) {
   CoverageReport rep;
   rep.canonical_elements = hf.total();
   auto fail = [&](const std::string& what) {
@@ -95,6 +98,11 @@ inline CoverageReport check_coverage(const HfModel& hf, const SglangLayout& recv
     next = std::max(next, r.start + r.length);
   }
   if (next < hf.total()) fail("canonical " + name_of(next) + " is never sent");
+  if (!receivers) {
+    rep.receiver_elements = rep.canonical_elements;
+    rep.receiver_writes = rep.sender_elements;
+    return rep;
+  }
 
   // 2. Receiver runs of one replica (the others are copies): split each canonical run where a
   //    receiver row block or column chunk ends, and follow every target.
