@@ -51,4 +51,20 @@ concept change_detector = requires {
   { D::changed(x, r) } -> std::same_as<bool>;
 };
 
+// Maps a trainer parameter element to its canonical (HF) element, per trainer rank:
+//   l(param, flat_index) -> L::canonical_type, l.is_sender(param) -> bool (one source per
+//   canonical element when parameters are replicated).
+template <class L>
+concept layout_mapping = requires {
+  typename L::layout_mapping_tag;
+}
+&&requires {
+  typename L::param_type;
+  typename L::canonical_type;
+}
+&&requires(const L& l, const typename L::param_type& p, std::int64_t i) {
+  { l(p, i) } -> std::same_as<typename L::canonical_type>;
+  { l.is_sender(p) } -> std::same_as<bool>;
+};
+
 }  // namespace dte

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "dte/concepts.hpp"
 #include "dte/error.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/model.hpp"
@@ -166,6 +167,8 @@ inline std::vector<MegatronParam> megatron_params(const ModelSpec& m, const Trai
 class MegatronToHF {
  public:
   using layout_mapping_tag = void;
+  using param_type = MegatronParam;
+  using canonical_type = Canonical;
 
   MegatronToHF(const HfModel& hf, const TrainTopology& t, const TrainRank& r)
       : hf_(&hf), t_(t), r_(r), vp_(t.padded_vocab(hf.spec().vocab)) {}
@@ -256,6 +259,8 @@ class MegatronToHF {
   TrainRank r_;
   std::int64_t vp_;
 };
+
+static_assert(layout_mapping<MegatronToHF>);
 
 // The inverse: where a canonical element lives in Megatron. For TP-replicated tensors it names
 // the sender (TP rank 0); experts are named by (te, em).
