@@ -121,3 +121,18 @@ TEST_CASE("SnapshotBase is exact and flags exactly the changed elements") {
   CHECK(dte::BF16Detect::changed(k.current(2), k(2)));  // -0 -> +0 is a change in bits
   CHECK_FALSE(dte::BF16Detect::changed(k.current(3), k(3)));
 }
+
+TEST_CASE("lr = 0: the reconstruction is exact, except for the sign of a zero") {
+  std::vector<float> theta{0.5f, 0.0f, 0.0f, -0.0f};
+  std::vector<float> m{1e-3f, 1e-3f, -1e-3f, 1e-3f};
+  std::vector<float> v{1e-6f, 1e-6f, 1e-6f, 1e-6f};
+  const auto k =
+      dte::AdamWInverse::bind({.lr = 0.0, .weight_decay = 0.1, .step = 7}, theta, {m, v});
+  CHECK(k(0).error == 0.0f);
+  CHECK(dte::BF16Detect::classify(k.current(0), k(0)) == Verdict::unchanged);
+  // +0 with a positive m: x - (+0) keeps the sign, so theta_prev was +0.
+  CHECK(dte::BF16Detect::classify(k.current(1), k(1)) == Verdict::unchanged);
+  // +0 with a negative m: theta_prev may have been -0 (-0 - (-0) = +0): flagged.
+  CHECK(dte::BF16Detect::classify(k.current(2), k(2)) == Verdict::guard);
+  CHECK(dte::BF16Detect::classify(k.current(3), k(3)) == Verdict::unchanged);
+}

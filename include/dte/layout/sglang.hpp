@@ -229,6 +229,25 @@ class SglangLayout {
     }
   }
 
+  // How many copies of each element of HF tensor kind k one replica holds: rep for K/V,
+  // every TP rank for norms and the router, one otherwise.
+  [[nodiscard]] std::int64_t copies(HfKind k) const noexcept {
+    switch (k) {
+      case HfKind::k:
+      case HfKind::v:
+        return rep_;
+      case HfKind::input_norm:
+      case HfKind::q_norm:
+      case HfKind::k_norm:
+      case HfKind::post_norm:
+      case HfKind::router:
+      case HfKind::final_norm:
+        return t_.tp;
+      default:
+        return 1;
+    }
+  }
+
   // How many elements from c onwards (within its HF tensor) keep every target index-contiguous:
   // the run ends where a receiver rank's row block or column chunk ends.
   [[nodiscard]] std::int64_t contiguous(Canonical c) const {

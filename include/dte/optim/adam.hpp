@@ -74,6 +74,7 @@ struct AdamFamilyKernel {
   float rel_p;     // error per unit of |theta|
   float rel_u;     // error per unit of |update|
   float abs_base;  // underflow allowance, absolute
+  bool identity;   // lr == 0: the step changed nothing but possibly the sign of a zero
 
   DTE_HOST_DEVICE std::size_t size() const noexcept { return n; }
   DTE_HOST_DEVICE float current(std::size_t i) const noexcept { return theta[i]; }
@@ -82,6 +83,12 @@ struct AdamFamilyKernel {
   }
 
   DTE_HOST_DEVICE Reconstruction reconstruct(float p, float m, float v) const noexcept {
+    if (identity) {
+      // theta = theta_prev * 1 - 0 * (...) exactly; only x - (-0) can turn -0 into +0, and the
+      // zero update carries the sign of m.
+      if (p == 0.0f) return {p, static_cast<float>(min_subnormal), !sign_bit(m)};
+      return {p, 0.0f, true};
+    }
     if (m == 0.0f && p == 0.0f) {
       // No update and a zero weight: theta_prev is a zero (or an FP32 underflow remainder that
       // rounds to zero in every 16-bit format). Its sign is theta's unless m is -0, where
@@ -190,6 +197,7 @@ inline AdamFamilyKernel make_adam_kernel(std::string_view policy, bool decoupled
   k.rel_p = static_cast<float>(rel_p);
   k.rel_u = static_cast<float>(rel_u);
   k.abs_base = static_cast<float>(abs_base);
+  k.identity = h.lr == 0.0;
   return k;
 }
 

@@ -48,6 +48,7 @@ struct SgdMomentumKernel {
   float rel_p;
   float rel_u;
   float abs_err;
+  bool identity;  // lr == 0
 
   DTE_HOST_DEVICE std::size_t size() const noexcept { return n; }
   DTE_HOST_DEVICE float current(std::size_t i) const noexcept { return theta[i]; }
@@ -56,6 +57,10 @@ struct SgdMomentumKernel {
   }
 
   DTE_HOST_DEVICE Reconstruction reconstruct(float p, float buf) const noexcept {
+    if (identity) {  // theta = theta_prev - 0 * buf: exact but for the sign of a zero
+      if (p == 0.0f) return {p, static_cast<float>(min_subnormal), !sign_bit(buf)};
+      return {p, 0.0f, true};
+    }
     if (buf == 0.0f && p == 0.0f) {
       // Same reasoning as for Adam: only a -0 buffer can flip the sign of a zero weight.
       return {p, static_cast<float>(min_subnormal), !sign_bit(buf)};
@@ -117,6 +122,7 @@ struct SgdMomentumInverse {
     k.rel_p = static_cast<float>(3.0 * u);
     k.rel_u = static_cast<float>(8.0 * u);
     k.abs_err = static_cast<float>(64.0 * detail::min_subnormal * std::max(1.0, h.lr));
+    k.identity = h.lr == 0.0;
     return k;
   }
 };
