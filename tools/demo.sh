@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# Today's main job, until the demo sync arrives (issue 4): build the dte command, let the real
-# torch.optim.AdamW take 5 steps on 1M weight-like elements, dump the last step, and have
-# `dte audit-inverse` check that reconstructing the previous weights from the optimizer state
-# finds every BF16 change.
+# The main job: build the dte command, then train a small Qwen3-shaped model (small-qwen3,
+# ~6M parameters) for 50 AdamW steps with the synthetic trainer on 4 in-process Megatron ranks
+# (tp=2, dp=2) and keep 8 in-process SGLang receivers (tp=4, 2 replicas) in sync by deltas
+# reconstructed from the optimizer state. Every publication is digest-verified and checked
+# against a dense sync. Extra arguments go to `dte simulate` (see `dte simulate --help`).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${DTE_BUILD_DIR:-$root/build}"
@@ -17,9 +18,5 @@ if command -v ccache >/dev/null; then launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=cc
 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${launcher[@]}" >/dev/null
 cmake --build "$build" --target dte_tool -j "$(nproc)" >/dev/null
 
-dump="$build/demo-adamw-step.safetensors"
-py=/usr/bin/python3
-"$py" -c "import torch" 2>/dev/null || py=python3
-"$py" "$root/tests/oracle/torch_oracle.py" --setting adamw_lr1e-5_wd0.01_eps1e-8 \
-  --steps 5 --audit-file "$dump"
-"$build/tools/dte/dte" audit-inverse "$dump"
+exec "$build/tools/dte/dte" simulate --model small-qwen3 --train tp=2,dp=2 --infer tp=4,replicas=2 \
+  --steps 50 "$@"

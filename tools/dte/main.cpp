@@ -13,6 +13,7 @@ int main(int argc, char** argv) {
   int status = dte::tool::exit_ok;
   dte::tool::register_audit_inverse(app, status);
   dte::tool::register_plan(app, status);
+  dte::tool::register_simulate(app, status);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

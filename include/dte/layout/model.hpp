@@ -88,16 +88,21 @@ inline ModelSpec model_preset(std::string_view name) {
     m.hidden = 32, m.layers = 4, m.heads = 8, m.kv_heads = 2, m.head_dim = 16;
     m.intermediate = 48, m.moe_intermediate = 16, m.experts = 8, m.experts_per_token = 2;
     m.vocab = 300;
+  } else if (name == "small-qwen3") {
+    // The demo model: Qwen3's structure at ~6M parameters (head_dim 64 != 256/8).
+    m.architecture = "Qwen3ForCausalLM";
+    m.hidden = 256, m.layers = 4, m.heads = 8, m.kv_heads = 2, m.head_dim = 64;
+    m.intermediate = 768, m.vocab = 8000;
   } else {
     throw invalid_argument("unknown model preset '" + std::string(name) +
-                           "'; presets: qwen3-8b, qwen3-30b-a3b, tiny-qwen3, tiny-qwen3-moe, or "
-                           "pass a HuggingFace config.json path");
+                           "'; presets: qwen3-8b, qwen3-30b-a3b, small-qwen3, tiny-qwen3, "
+                           "tiny-qwen3-moe, or pass a HuggingFace config.json path");
   }
   return m;
 }
 
 inline std::vector<std::string> model_preset_names() {
-  return {"qwen3-8b", "qwen3-30b-a3b", "tiny-qwen3", "tiny-qwen3-moe"};
+  return {"qwen3-8b", "qwen3-30b-a3b", "small-qwen3", "tiny-qwen3", "tiny-qwen3-moe"};
 }
 
 }  // namespace dte::layout

@@ -1,0 +1,42 @@
+// SPDX-License-Identifier: Apache-2.0
+// The dense-sync reference, computed without the transfer plan: every receiver element is
+// looked up through the receiver layout's inverse map in the trainer's canonical FP32 weights
+// and rounded. Used by `dte simulate` (all_bit_identical) and examples; O(receiver elements).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "dte/engine/receiver.hpp"
+#include "dte/layout/hf.hpp"
+#include "dte/layout/sglang.hpp"
+#include "dte/numeric/round.hpp"
+
+namespace dte::sim {
+
+// Receiver elements (all ranks) that differ from round(canonical); the vocabulary tail must be 0.
+template <class Format = Bf16Format>
+std::int64_t dense_mismatches(const layout::HfModel& hf, const layout::SglangLayout& recv,
+                              const std::vector<float>& canonical,
+                              const std::vector<Receiver>& receivers) {
+  std::int64_t bad = 0;
+  for (const Receiver& r : receivers) {
+    const std::int64_t ts = r.rank() % recv.topology().tp;
+    for (std::int64_t k = 0; k < recv.size(); ++k) {
+      const auto& t = r.tensor(k);
+      const std::int64_t n = static_cast<std::int64_t>(t.size());
+      DTE_OMP(parallel for reduction(+ : bad) schedule(static))
+      for (std::int64_t i = 0; i < n; ++i) {
+        const layout::Canonical c = recv.source({ts, k, i});
+        const std::uint16_t want =
+            c.tensor < 0
+                ? std::uint16_t{0}
+                : Format::round(canonical[static_cast<std::size_t>(hf[c.tensor].base + c.index)]);
+        bad += t[static_cast<std::size_t>(i)] != want;
+      }
+    }
+  }
+  return bad;
+}
+
+}  // namespace dte::sim
