@@ -58,6 +58,16 @@ struct SyncReport {
   bool verified = false;                // every replica matched (after repair, if any)
   std::vector<std::string> repaired;    // canonical tensors resent densely
   std::vector<std::int64_t> resynced;   // receivers that refused and got a full resync
+  // Memory beyond the model (bytes), for the rank with the largest ratio to its payload: the
+  // sender's chunked messages (+ its dirty masks when K > 1), the receiver's received messages.
+  std::uint64_t sender_extra_bytes = 0, sender_payload_bytes = 0;
+  std::uint64_t receiver_extra_bytes = 0, receiver_payload_bytes = 0;
+  std::uint64_t sender_mask_bytes = 0;     // K > 1: one bit per shard element, per rank
+  std::uint64_t sender_fixed_bytes = 0;    // a partly filled chunk per receiver + per-tensor tables
+  std::uint64_t payload_total_bytes = 0;   // all senders' messages
+  std::uint64_t received_total_bytes = 0;  // all receivers' messages
+  // detect: the fused pass (reconstruct, round, compare, compact, route into per-receiver
+  // messages); route: closing the messages; then exchange, apply, verify (and repair).
   double detect_s = 0, route_s = 0, exchange_s = 0, apply_s = 0, verify_s = 0;
 
   [[nodiscard]] double changed_fraction() const noexcept {
@@ -119,6 +129,19 @@ class DeltaEngine {
         }
       }
     }
+    // Per (trainer rank, receiver, receiver tensor): how many elements this rank contributes
+    // and in how many contiguous runs, so each publication can pick the cheaper encoding.
+    const std::size_t cells = receivers_.size() * static_cast<std::size_t>(receivers.size());
+    contributed_.assign(plans_.size(), std::vector<std::uint64_t>(cells, 0));
+    runs_.assign(plans_.size(), std::vector<std::uint64_t>(cells, 0));
+    dense_.assign(plans_.size(), std::vector<std::uint8_t>(cells, 0));
+    for (std::size_t r = 0; r < plans_.size(); ++r) {
+      walk_runs(
+          r, [&](layout::BufferKind, std::int64_t, std::int64_t len, const layout::RouteTarget& t) {
+            contributed_[r][cell(t)] += static_cast<std::uint64_t>(len);
+            ++runs_[r][cell(t)];
+          });
+    }
   }
 
   [[nodiscard]] const std::vector<layout::TransferPlan>& plans() const noexcept { return plans_; }
@@ -168,7 +191,7 @@ class DeltaEngine {
     SyncReport rep;
     rep.kind = "noop";
     rep.version = ++version_;
-    clear_outbox();
+    begin_messages();
     deliver(MessageKind::noop, rep, access);
     return rep;
   }
@@ -178,10 +201,6 @@ class DeltaEngine {
 
  private:
   enum class Scan { all, detect, mark, mask };
-  struct Picked {
-    std::int64_t offset;
-    std::uint16_t bits;
-  };
 
   template <class Access>
   SyncReport publish_now(Access& access, Scan mode) {
@@ -207,7 +226,18 @@ class DeltaEngine {
   void scan(Access& access, Scan mode, SyncReport& rep) {
     const auto t0 = std::chrono::steady_clock::now();
     const std::size_t ranks = plans_.size();
-    std::vector<std::vector<Picked>> picked(2 * ranks);
+    if (mode != Scan::mark) begin_messages();
+    // Which (receiver, tensor) pairs each rank sends densely this time: everything for a full
+    // publication; otherwise where the last publication's changes made runs of all values
+    // cheaper than indexed entries (a prediction: it only ever costs bytes, never correctness).
+    std::vector<std::vector<std::uint64_t>> flagged(ranks);
+    for (std::size_t r = 0; r < ranks; ++r) {
+      flagged[r].assign(contributed_[r].size(), 0);
+      if (mode == Scan::all) {
+        for (std::size_t x = 0; x < dense_[r].size(); ++x)
+          dense_[r][x] = contributed_[r][x] > 0;
+      }
+    }
     std::vector<std::vector<std::uint64_t>> digests(ranks,
                                                     std::vector<std::uint64_t>(hf_->size(), 0));
     std::vector<std::uint64_t> scanned(ranks, 0), changed(ranks, 0), guard(ranks, 0);
@@ -217,7 +247,6 @@ class DeltaEngine {
       try {
         const layout::TransferPlan& plan = plans_[r];
         for (layout::BufferKind b : {layout::BufferKind::dense, layout::BufferKind::expert}) {
-          auto& out = picked[2 * r + static_cast<std::size_t>(b)];
           for (const layout::PlanSegment& s : plan.segments(b)) {
             if (!s.sender) {
               // TP replicas of replicated tensors are never sent, but their state is still
@@ -230,6 +259,7 @@ class DeltaEngine {
             std::optional<Kernel> k;
             if (mode != Scan::all) k.emplace(access.kernel(static_cast<std::int64_t>(r), b, s));
             const layout::MegatronParam& p = plan.params()[static_cast<std::size_t>(s.param)];
+            const std::vector<std::uint8_t>& dense = dense_[r];
             for (std::int64_t i = 0; i < s.length; ++i) {
               const layout::Canonical c = plan.mapping()(p, s.param_begin + i);
               if (c.tensor < 0) continue;  // vocabulary padding
@@ -260,12 +290,21 @@ class DeltaEngine {
               digests[r][static_cast<std::size_t>(c.tensor)] +=
                   element_digest((*hf_)[c.tensor].base + c.index, bits);
               if (send) {
-                out.push_back({offset, bits});
                 ++changed[r];
+                plan.route(b, offset, [&](const layout::RouteTarget& t) {
+                  const std::size_t x = cell(t);
+                  ++flagged[r][x];
+                  if (!dense[x]) {
+                    writers_[r][static_cast<std::size_t>(t.rank)].add(
+                        static_cast<std::uint32_t>(t.tensor), static_cast<std::uint32_t>(t.index),
+                        bits);
+                  }
+                });
               }
             }
           }
         }
+        if (mode != Scan::mark) emit_dense_runs(r, dense_[r], access);
       } catch (const std::exception& e) {
         errors[r] = e.what();
       }
@@ -279,6 +318,13 @@ class DeltaEngine {
       }
     }
     if (mode == Scan::mark) return;
+    for (std::size_t r = 0; r < ranks; ++r) {
+      for (std::size_t x = 0; x < dense_[r].size(); ++x) {
+        // A full publication says nothing about the next delta: start sparse after it.
+        dense_[r][x] =
+            mode != Scan::all && flagged[r][x] * 10 > contributed_[r][x] * 2 + runs_[r][x] * 12;
+      }
+    }
     trainer_digest_.assign(static_cast<std::size_t>(hf_->size()), 0);
     for (std::size_t r = 0; r < ranks; ++r) {
       for (std::size_t t = 0; t < trainer_digest_.size(); ++t)
@@ -293,47 +339,140 @@ class DeltaEngine {
     const auto t1 = std::chrono::steady_clock::now();
     rep.detect_s = std::chrono::duration<double>(t1 - t0).count();
 
-    // Route and bucket per receiver, current values.
-    clear_outbox();
-    DTE_OMP(parallel for schedule(dynamic, 1))
-    for (std::size_t r = 0; r < ranks; ++r) {
-      const layout::TransferPlan& plan = plans_[r];
-      for (layout::BufferKind b : {layout::BufferKind::dense, layout::BufferKind::expert}) {
-        for (const Picked& e : picked[2 * r + static_cast<std::size_t>(b)]) {
-          plan.route(b, e.offset, [&](const layout::RouteTarget& t) {
-            outbox_[r][static_cast<std::size_t>(t.rank)].entries.push_back(
-                {static_cast<std::uint32_t>(t.tensor), static_cast<std::uint32_t>(t.index),
-                 e.bits});
-          });
+    for (const auto& row : writers_) {
+      for (const MessageWriter& w : row)
+        rep.routed_writes += w.entries();
+    }
+  }
+
+  [[nodiscard]] std::size_t cell(const layout::RouteTarget& t) const noexcept {
+    return static_cast<std::size_t>(t.rank) * static_cast<std::size_t>(recv_layout_->size()) +
+           static_cast<std::size_t>(t.tensor);
+  }
+
+  // Calls f(buffer, shard offset, length, first target) for every maximal run of this rank's
+  // sender elements that lands contiguously in one receiver tensor (every replica's copy);
+  // pieces that continue the previous run of the same receiver are merged into it.
+  template <class F>
+  void walk_runs(std::size_t r, F&& f) const {
+    struct Pending {
+      layout::BufferKind b;
+      std::int64_t offset = 0, len = 0;
+      layout::RouteTarget t{};
+    };
+    const layout::TransferPlan& plan = plans_[r];
+    const auto& it = recv_layout_->topology();
+    std::vector<Pending> pending(receivers_.size());
+    auto piece = [&](layout::BufferKind b, std::int64_t offset, std::int64_t len,
+                     const layout::RouteTarget& t) {
+      Pending& p = pending[static_cast<std::size_t>(t.rank)];
+      if (p.len > 0 && p.b == b && p.t.tensor == t.tensor && p.offset + p.len == offset &&
+          p.t.index + p.len == t.index) {
+        p.len += len;
+        return;
+      }
+      if (p.len > 0) f(p.b, p.offset, p.len, p.t);
+      p = {b, offset, len, t};
+    };
+    for (layout::BufferKind b : {layout::BufferKind::dense, layout::BufferKind::expert}) {
+      for (const layout::PlanSegment& s : plan.segments(b)) {
+        if (!s.sender) continue;
+        const layout::MegatronParam& p = plan.params()[static_cast<std::size_t>(s.param)];
+        for (std::int64_t pos = 0; pos < s.length;) {
+          const std::int64_t local = s.param_begin + pos;
+          const std::int64_t row_left = p.cols == 0 ? p.numel() - local : p.cols - local % p.cols;
+          std::int64_t n = std::min(s.length - pos, row_left);
+          const layout::Canonical c = plan.mapping()(p, local);
+          if (c.tensor >= 0) {
+            n = std::min({n, (*hf_)[c.tensor].numel() - c.index, recv_layout_->contiguous(c)});
+            recv_layout_->targets(c, [&](const layout::ReceiverElement& e) {
+              for (std::int64_t replica = 0; replica < it.replicas; ++replica) {
+                piece(b, s.shard_begin + pos, n,
+                      layout::RouteTarget{replica * it.tp + e.ts, e.tensor, e.index});
+              }
+            });
+          }
+          pos += n;
         }
       }
     }
-    for (const auto& row : outbox_) {
-      for (const Message& m : row)
-        rep.routed_writes += m.entries.size();
+    for (const Pending& p : pending) {
+      if (p.len > 0) f(p.b, p.offset, p.len, p.t);
     }
-    rep.route_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
   }
 
-  void clear_outbox() { outbox_.assign(plans_.size(), std::vector<Message>(receivers_.size())); }
+  // The dense part of rank r's messages: every element of each dense (receiver, tensor) pair
+  // as runs of current values.
+  template <class Access>
+  void emit_dense_runs(std::size_t r, const std::vector<std::uint8_t>& dense, Access& access) {
+    if (std::find(dense.begin(), dense.end(), std::uint8_t{1}) == dense.end()) return;
+    std::vector<std::uint16_t> bits;
+    walk_runs(r, [&](layout::BufferKind b, std::int64_t offset, std::int64_t len,
+                     const layout::RouteTarget& t) {
+      if (!dense[cell(t)]) return;
+      const std::span<const float> theta = access.theta(static_cast<std::int64_t>(r), b);
+      bits.resize(static_cast<std::size_t>(len));
+      for (std::int64_t i = 0; i < len; ++i) {
+        bits[static_cast<std::size_t>(i)] =
+            Detect::store(theta[static_cast<std::size_t>(offset + i)]);
+      }
+      writers_[r][static_cast<std::size_t>(t.rank)].add_run(
+          static_cast<std::uint32_t>(t.tensor), static_cast<std::uint32_t>(t.index), bits);
+    });
+  }
+
+  // One chunked message per (trainer rank, receiver), filled by the scan as it routes.
+  void begin_messages() {
+    writers_.resize(plans_.size());
+    for (auto& row : writers_) {
+      row.resize(receivers_.size());
+      for (MessageWriter& w : row)
+        w.begin();
+    }
+  }
 
   // Exchange the outbox, apply on every receiver, verify, repair.
   template <class Access>
   void deliver(MessageKind kind, SyncReport& rep, Access& access) {
     rep.dense_bytes = dense_bytes_;
     auto t0 = std::chrono::steady_clock::now();
-    std::vector<std::vector<Bytes>> wire(outbox_.size());
-    for (std::size_t s = 0; s < outbox_.size(); ++s) {
-      for (Message& m : outbox_[s]) {
-        m.version = version_;
-        m.base = kind == MessageKind::full ? no_version : version_ - 1;
-        m.kind = kind;
-        wire[s].push_back(encode(m));  // every pair gets at least a header: the chain is checked
+    // Every pair gets at least a header, so every receiver checks the version chain against
+    // every sender.
+    std::vector<std::vector<Payload>> wire(writers_.size());
+    rep.sender_extra_bytes = rep.sender_payload_bytes = 0;
+    for (std::size_t s = 0; s < writers_.size(); ++s) {
+      std::uint64_t payload = 0, held = 0;
+      for (MessageWriter& w : writers_[s]) {
+        w.finish(kind, version_, kind == MessageKind::full ? no_version : version_ - 1);
+        wire[s].push_back(w.spans());
+        payload += w.size();
+        held += w.capacity();
+      }
+      std::uint64_t mask_bytes = 0;
+      for (layout::BufferKind b : {layout::BufferKind::dense, layout::BufferKind::expert}) {
+        if (!masks_.empty()) mask_bytes += 8 * mask(s, b).size();
+      }
+      held += mask_bytes;
+      rep.payload_total_bytes += payload;
+      rep.sender_mask_bytes = std::max<std::uint64_t>(rep.sender_mask_bytes, mask_bytes);
+      // The rank whose extra memory is largest relative to its payload.
+      if (rep.sender_payload_bytes == 0 ||
+          held * static_cast<double>(rep.sender_payload_bytes) >
+              rep.sender_extra_bytes * static_cast<double>(payload)) {
+        rep.sender_extra_bytes = held;
+        rep.sender_payload_bytes = payload;
       }
     }
-    outbox_.clear();
+    rep.sender_fixed_bytes =
+        MessageWriter::chunk_bytes * receivers_.size() +
+        8 * static_cast<std::uint64_t>(hf_->size()) +             // the rank's digest per tensor
+        25 * static_cast<std::uint64_t>(contributed_[0].size());  // encoding choice tables
     std::vector<Inbox> inbox = transport_->exchange(wire);
     wire.clear();
+    for (auto& row : writers_) {
+      for (MessageWriter& w : row)
+        w.clear();
+    }
     rep.bytes = transport_->last_stats().bytes;
     rep.bytes_to = transport_->last_stats().bytes_to;
     auto t1 = std::chrono::steady_clock::now();
@@ -343,6 +482,20 @@ class DeltaEngine {
     DTE_OMP(parallel for schedule(dynamic, 1))
     for (std::size_t d = 0; d < receivers_.size(); ++d) {
       results[d] = receivers_[d].apply(version_, inbox[d]);
+    }
+    // Receiver memory beyond its live tensors: the received messages (read in place) and one
+    // small view per message.
+    rep.receiver_extra_bytes = rep.receiver_payload_bytes = 0;
+    for (std::size_t d = 0; d < receivers_.size(); ++d) {
+      std::uint64_t received = 0;
+      for (const auto& [src, bytes] : inbox[d])
+        received += bytes.capacity();
+      rep.received_total_bytes += received;
+      const std::uint64_t held = received + inbox[d].size() * sizeof(MessageView);
+      if (held > rep.receiver_extra_bytes) {
+        rep.receiver_extra_bytes = held;
+        rep.receiver_payload_bytes = received;
+      }
     }
     auto t2 = std::chrono::steady_clock::now();
     rep.apply_s = std::chrono::duration<double>(t2 - t1).count();
@@ -398,14 +551,19 @@ class DeltaEngine {
   template <class Access>
   void repair(const std::vector<bool>& bad, const std::vector<bool>& resync, Access& access) {
     const std::size_t ranks = plans_.size();
-    std::vector<std::vector<Message>> out(ranks, std::vector<Message>(receivers_.size()));
+    std::vector<std::vector<MessageWriter>> out(ranks);
+    for (auto& row : out) {
+      row.resize(receivers_.size());
+      for (MessageWriter& w : row)
+        w.begin();
+    }
     for (std::size_t r = 0; r < ranks; ++r) {
       const layout::TransferPlan& plan = plans_[r];
       for (layout::BufferKind b : {layout::BufferKind::dense, layout::BufferKind::expert}) {
+        const std::span<const float> theta = access.theta(static_cast<std::int64_t>(r), b);
         for (const layout::PlanSegment& s : plan.segments(b)) {
           if (!s.sender) continue;
           const layout::MegatronParam& p = plan.params()[static_cast<std::size_t>(s.param)];
-          const std::span<const float> theta = access.theta(static_cast<std::int64_t>(r), b);
           for (std::int64_t i = 0; i < s.length; ++i) {
             const layout::Canonical c = plan.mapping()(p, s.param_begin + i);
             if (c.tensor < 0) continue;
@@ -414,23 +572,21 @@ class DeltaEngine {
                 Detect::store(theta[static_cast<std::size_t>(s.shard_begin + i)]);
             plan.route(b, s.shard_begin + i, [&](const layout::RouteTarget& t) {
               if (tensor_bad || resync[static_cast<std::size_t>(t.rank)]) {
-                out[r][static_cast<std::size_t>(t.rank)].entries.push_back(
-                    {static_cast<std::uint32_t>(t.tensor), static_cast<std::uint32_t>(t.index),
-                     bits});
+                out[r][static_cast<std::size_t>(t.rank)].add(static_cast<std::uint32_t>(t.tensor),
+                                                             static_cast<std::uint32_t>(t.index),
+                                                             bits);
               }
             });
           }
         }
       }
     }
-    std::vector<std::vector<Bytes>> wire(ranks);
+    std::vector<std::vector<Payload>> wire(ranks);
     for (std::size_t s = 0; s < ranks; ++s) {
       for (std::size_t d = 0; d < receivers_.size(); ++d) {
-        Message& m = out[s][d];
-        m.version = version_;
-        m.base = no_version;
-        m.kind = resync[d] ? MessageKind::full : MessageKind::repair;
-        wire[s].push_back(m.entries.empty() && !resync[d] ? Bytes{} : encode(m));
+        MessageWriter& w = out[s][d];
+        w.finish(resync[d] ? MessageKind::full : MessageKind::repair, version_, no_version);
+        wire[s].push_back(w.entries() == 0 && !resync[d] ? Payload{} : w.spans());
       }
     }
     std::vector<Inbox> inbox = transport_->exchange(wire);
@@ -446,7 +602,10 @@ class DeltaEngine {
   std::vector<layout::TransferPlan> plans_;
   std::vector<Receiver> receivers_;
   std::vector<std::vector<std::uint64_t>> masks_;
-  std::vector<std::vector<Message>> outbox_;
+  std::vector<std::vector<MessageWriter>> writers_;  // [trainer rank][receiver]
+  // [trainer rank][receiver * receiver tensors + tensor]
+  std::vector<std::vector<std::uint64_t>> contributed_, runs_;
+  std::vector<std::vector<std::uint8_t>> dense_;
   std::vector<std::uint64_t> trainer_digest_;
   std::uint64_t dense_bytes_ = 0;
   std::int64_t pending_ = 0;

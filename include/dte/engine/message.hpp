@@ -6,9 +6,11 @@
 // Decoding checks every length and bound before anything is used.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -101,50 +103,163 @@ inline std::vector<std::byte> encode(const Message& m) {
   return out;
 }
 
-// Decodes and checks the framing: magic, kind, counts against the byte length. Index ranges
-// are the receiver's to check (it knows its tensors). `from` names the sender in errors.
-inline Message decode(std::span<const std::byte> in, const std::string& from) {
-  auto fail = [&](const std::string& what) {
-    throw format_error("message from " + from + ": " + what + "; the version is refused");
-  };
-  if (in.size() < Message::kHeaderBytes) {
-    fail("only " + std::to_string(in.size()) + " bytes, shorter than the 40-byte header");
+// A received message, checked for framing (magic, kind, counts against the byte length) and
+// read in place: entries and runs are visited straight from the received bytes, so applying a
+// message needs no memory beyond the message itself. Index ranges are the receiver's to check
+// (it knows its tensors). `from` names the sender in errors.
+class MessageView {
+ public:
+  MessageView(std::span<const std::byte> in, const std::string& from) : in_(in) {
+    auto fail = [&](const std::string& what) {
+      throw format_error("message from " + from + ": " + what + "; the version is refused");
+    };
+    if (in.size() < Message::kHeaderBytes) {
+      fail("only " + std::to_string(in.size()) + " bytes, shorter than the 40-byte header");
+    }
+    std::size_t at = 0;
+    const auto magic = detail::take<std::uint64_t>(in, at);
+    if ((magic >> 32) != 0x65746400u) fail("bad magic (not a dte message)");
+    const auto kind = static_cast<std::uint32_t>(magic & 0xFFFFFFFFu);
+    if (kind < 1 || kind > 4) fail("unknown kind " + std::to_string(kind));
+    kind_ = static_cast<MessageKind>(kind);
+    version_ = detail::take<std::uint64_t>(in, at);
+    base_ = detail::take<std::uint64_t>(in, at);
+    entries_ = detail::take<std::uint64_t>(in, at);
+    runs_ = detail::take<std::uint64_t>(in, at);
+    if (entries_ > (in.size() - at) / 10) {
+      fail(std::to_string(entries_) + " entries announced, " + std::to_string(in.size()) +
+           " bytes received");
+    }
+    at += 10 * static_cast<std::size_t>(entries_);
+    runs_at_ = at;
+    for (std::uint64_t r = 0; r < runs_; ++r) {
+      if (in.size() - at < 12) fail("truncated run header");
+      at += 8;
+      const auto len = detail::take<std::uint32_t>(in, at);
+      if (len > (in.size() - at) / 2) fail("run of " + std::to_string(len) + " elements truncated");
+      at += 2 * static_cast<std::size_t>(len);
+    }
+    if (at != in.size()) fail(std::to_string(in.size() - at) + " trailing bytes");
   }
-  std::size_t at = 0;
-  const auto magic = detail::take<std::uint64_t>(in, at);
-  if ((magic >> 32) != 0x65746400u) fail("bad magic (not a dte message)");
-  Message m;
-  const auto kind = static_cast<std::uint32_t>(magic & 0xFFFFFFFFu);
-  if (kind < 1 || kind > 4) fail("unknown kind " + std::to_string(kind));
-  m.kind = static_cast<MessageKind>(kind);
-  m.version = detail::take<std::uint64_t>(in, at);
-  m.base = detail::take<std::uint64_t>(in, at);
-  const auto n_entries = detail::take<std::uint64_t>(in, at);
-  const auto n_runs = detail::take<std::uint64_t>(in, at);
-  if (n_entries > (in.size() - at) / 10) {
-    fail(std::to_string(n_entries) + " entries announced, " + std::to_string(in.size()) +
-         " bytes received");
+
+  [[nodiscard]] MessageKind kind() const noexcept { return kind_; }
+  [[nodiscard]] Version version() const noexcept { return version_; }
+  [[nodiscard]] Version base() const noexcept { return base_; }
+  [[nodiscard]] std::uint64_t entry_count() const noexcept { return entries_; }
+  [[nodiscard]] std::uint64_t run_count() const noexcept { return runs_; }
+
+  // f(DeltaEntry)
+  template <class F>
+  void for_each_entry(F&& f) const {
+    std::size_t at = Message::kHeaderBytes;
+    for (std::uint64_t i = 0; i < entries_; ++i) {
+      DeltaEntry e;
+      e.tensor = detail::take<std::uint32_t>(in_, at);
+      e.index = detail::take<std::uint32_t>(in_, at);
+      e.bits = detail::take<std::uint16_t>(in_, at);
+      f(e);
+    }
   }
-  m.entries.resize(static_cast<std::size_t>(n_entries));
-  for (DeltaEntry& e : m.entries) {
-    e.tensor = detail::take<std::uint32_t>(in, at);
-    e.index = detail::take<std::uint32_t>(in, at);
-    e.bits = detail::take<std::uint16_t>(in, at);
+
+  // f(tensor, first index, length, pointer to length little-endian u16 values)
+  template <class F>
+  void for_each_run(F&& f) const {
+    std::size_t at = runs_at_;
+    for (std::uint64_t r = 0; r < runs_; ++r) {
+      const auto tensor = detail::take<std::uint32_t>(in_, at);
+      const auto index = detail::take<std::uint32_t>(in_, at);
+      const auto len = detail::take<std::uint32_t>(in_, at);
+      f(tensor, index, len, in_.data() + at);
+      at += 2 * static_cast<std::size_t>(len);
+    }
   }
-  if (n_runs > (in.size() - at) / 12) fail("more runs announced than bytes received");
-  m.runs.resize(static_cast<std::size_t>(n_runs));
-  for (DenseRun& r : m.runs) {
-    if (in.size() - at < 12) fail("truncated run header");
-    r.tensor = detail::take<std::uint32_t>(in, at);
-    r.index = detail::take<std::uint32_t>(in, at);
-    const auto len = detail::take<std::uint32_t>(in, at);
-    if (len > (in.size() - at) / 2) fail("run of " + std::to_string(len) + " elements truncated");
-    r.bits.resize(len);
-    std::memcpy(r.bits.data(), in.data() + at, 2 * static_cast<std::size_t>(len));
-    at += 2 * static_cast<std::size_t>(len);
+
+ private:
+  std::span<const std::byte> in_;
+  MessageKind kind_ = MessageKind::delta;
+  Version version_ = 0, base_ = 0;
+  std::uint64_t entries_ = 0, runs_ = 0;
+  std::size_t runs_at_ = 0;
+};
+
+// Builds one message for one receiver in fixed-size chunks, so a sender holds its payload plus
+// at most one partly filled chunk per receiver, never a doubling vector's slack. Entries come
+// first, then dense runs; counts are patched into the header at finish().
+class MessageWriter {
+ public:
+  static constexpr std::size_t chunk_bytes = std::size_t{1} << 16;
+
+  // Starts a message; its kind, version and base are written by finish().
+  void begin() {
+    clear();
+    const std::uint64_t zero[5] = {0, 0, 0, 0, 0};
+    put(zero, sizeof zero);
   }
-  if (at != in.size()) fail(std::to_string(in.size() - at) + " trailing bytes");
-  return m;
-}
+
+  void add(std::uint32_t tensor, std::uint32_t index, std::uint16_t bits) {
+    if (runs_ != 0) throw invalid_argument("MessageWriter: entries must precede dense runs");
+    put(&tensor, 4);
+    put(&index, 4);
+    put(&bits, 2);
+    ++entries_;
+  }
+
+  void add_run(std::uint32_t tensor, std::uint32_t index, std::span<const std::uint16_t> bits) {
+    const auto len = static_cast<std::uint32_t>(bits.size());
+    put(&tensor, 4);
+    put(&index, 4);
+    put(&len, 4);
+    put(bits.data(), 2 * bits.size());
+    ++runs_;
+  }
+
+  void finish(MessageKind kind, Version version, Version base) {
+    const std::uint64_t magic = 0x6574640000000000ull | static_cast<std::uint64_t>(kind);
+    std::byte* h = chunks_[0].get();
+    std::memcpy(h, &magic, 8);
+    std::memcpy(h + 8, &version, 8);
+    std::memcpy(h + 16, &base, 8);
+    std::memcpy(h + 24, &entries_, 8);
+    std::memcpy(h + 32, &runs_, 8);
+  }
+
+  [[nodiscard]] std::size_t size() const noexcept { return size_; }
+  [[nodiscard]] std::size_t capacity() const noexcept { return chunks_.size() * chunk_bytes; }
+  [[nodiscard]] std::uint64_t entries() const noexcept { return entries_; }
+
+  // The message as consecutive byte spans (one per chunk).
+  [[nodiscard]] std::vector<std::span<const std::byte>> spans() const {
+    std::vector<std::span<const std::byte>> out;
+    for (std::size_t c = 0; c < chunks_.size(); ++c) {
+      const std::size_t n = std::min(chunk_bytes, size_ - c * chunk_bytes);
+      out.emplace_back(chunks_[c].get(), n);
+    }
+    return out;
+  }
+
+  void clear() {
+    chunks_.clear();
+    size_ = 0;
+    entries_ = runs_ = 0;
+  }
+
+ private:
+  void put(const void* p, std::size_t n) {
+    const auto* b = static_cast<const std::byte*>(p);
+    while (n > 0) {
+      if (size_ == chunks_.size() * chunk_bytes) {
+        chunks_.push_back(std::make_unique_for_overwrite<std::byte[]>(chunk_bytes));
+      }
+      const std::size_t off = size_ % chunk_bytes;
+      const std::size_t k = std::min(n, chunk_bytes - off);
+      std::memcpy(chunks_.back().get() + off, b, k);
+      size_ += k, b += k, n -= k;
+    }
+  }
+
+  std::vector<std::unique_ptr<std::byte[]>> chunks_;
+  std::size_t size_ = 0;
+  std::uint64_t entries_ = 0, runs_ = 0;
+};
 
 }  // namespace dte

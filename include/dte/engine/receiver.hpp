@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <span>
 #include <string>
 #include <utility>
@@ -48,37 +49,39 @@ class Receiver {
   // Per canonical tensor: the sum of h(canonical, bits) over this rank's copies of it.
   [[nodiscard]] const std::vector<std::uint64_t>& digest() const noexcept { return digest_; }
 
-  // Applies one publication: all messages addressed to this rank (any sender order).
+  // Applies one publication: all messages addressed to this rank (any sender order). The
+  // messages are read in place (MessageView): no memory beyond what was received.
   ApplyResult apply(Version version, const Inbox& inbox) {
     ApplyResult res;
-    std::vector<Message> accepted;
+    std::vector<MessageView> accepted;
     try {
       for (const auto& [src, bytes] : inbox) {
         res.bytes += bytes.size();
-        Message m = decode(
-            bytes, "sender " + std::to_string(src) + " to receiver " + std::to_string(rank_));
-        if (m.version < version && m.kind != MessageKind::repair) {
+        MessageView m(bytes,
+                      "sender " + std::to_string(src) + " to receiver " + std::to_string(rank_));
+        if (m.version() < version && m.kind() != MessageKind::repair) {
           ++res.stale;  // a replay of an older publication: ignored, it changes nothing
           continue;
         }
         check(m, version, src);
-        accepted.push_back(std::move(m));
+        accepted.push_back(m);
       }
     } catch (const error& e) {
       res.refusal = e.what();
       return res;  // nothing touched
     }
-    for (const Message& m : accepted) {
-      for (const DeltaEntry& e : m.entries)
-        write(e.tensor, e.index, e.bits);
-      for (const DenseRun& r : m.runs) {
-        for (std::size_t i = 0; i < r.bits.size(); ++i) {
-          write(r.tensor, r.index + static_cast<std::uint32_t>(i), r.bits[i]);
-        }
-      }
-      res.written += m.entries.size();
-      for (const DenseRun& r : m.runs)
-        res.written += r.bits.size();
+    for (const MessageView& m : accepted) {
+      m.for_each_entry([&](const DeltaEntry& e) { write(e.tensor, e.index, e.bits); });
+      m.for_each_run(
+          [&](std::uint32_t tensor, std::uint32_t index, std::uint32_t len, const std::byte* bits) {
+            for (std::uint32_t i = 0; i < len; ++i) {
+              std::uint16_t b;
+              std::memcpy(&b, bits + 2 * static_cast<std::size_t>(i), 2);
+              write(tensor, index + i, b);
+            }
+            res.written += len;
+          });
+      res.written += m.entry_count();
     }
     version_ = version;
     res.committed = true;
@@ -86,24 +89,24 @@ class Receiver {
   }
 
  private:
-  void check(const Message& m, Version version, std::int64_t src) const {
+  void check(const MessageView& m, Version version, std::int64_t src) const {
     const std::string who =
         "receiver " + std::to_string(rank_) + ", message from sender " + std::to_string(src) + ": ";
-    if (m.version != version) {
-      throw error(who + "version " + std::to_string(m.version) + " where " +
+    if (m.version() != version) {
+      throw error(who + "version " + std::to_string(m.version()) + " where " +
                   std::to_string(version) + " is being applied");
     }
-    if (m.kind == MessageKind::delta || m.kind == MessageKind::noop) {
-      if (m.base != version_) {
-        throw error(who + "delta on base version " + std::to_string(m.base) +
+    if (m.kind() == MessageKind::delta || m.kind() == MessageKind::noop) {
+      if (m.base() != version_) {
+        throw error(who + "delta on base version " + std::to_string(m.base()) +
                     " but this receiver holds " + std::to_string(version_) +
                     "; refused, a full resync is needed");
       }
-    } else if (m.kind == MessageKind::repair && version_ != version) {
+    } else if (m.kind() == MessageKind::repair && version_ != version) {
       throw error(who + "repair for version " + std::to_string(version) +
                   " but this receiver holds " + std::to_string(version_));
     }
-    if (m.kind == MessageKind::noop && (!m.entries.empty() || !m.runs.empty())) {
+    if (m.kind() == MessageKind::noop && (m.entry_count() != 0 || m.run_count() != 0)) {
       throw error(who + "a no-op version carries elements");
     }
     auto in_range = [&](std::uint32_t tensor, std::uint64_t index, std::uint64_t count) {
@@ -117,10 +120,9 @@ class Receiver {
                     " elements)");
       }
     };
-    for (const DeltaEntry& e : m.entries)
-      in_range(e.tensor, e.index, 1);
-    for (const DenseRun& r : m.runs)
-      in_range(r.tensor, r.index, r.bits.size());
+    m.for_each_entry([&](const DeltaEntry& e) { in_range(e.tensor, e.index, 1); });
+    m.for_each_run([&](std::uint32_t tensor, std::uint32_t index, std::uint32_t len,
+                       const std::byte*) { in_range(tensor, index, len); });
   }
 
   void write(std::uint32_t tensor, std::uint32_t index, std::uint16_t bits) {

@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <thread>
 #include <utility>
@@ -24,6 +25,15 @@
 namespace dte {
 
 using Bytes = std::vector<std::byte>;
+// What a sender hands the transport for one receiver: consecutive spans (a chunked message).
+using Payload = std::vector<std::span<const std::byte>>;
+
+inline std::size_t payload_size(const Payload& p) noexcept {
+  std::size_t n = 0;
+  for (const auto& part : p)
+    n += part.size();
+  return n;
+}
 
 struct TransportFault {
   enum class Kind { drop, duplicate, bitflip } kind = Kind::drop;
@@ -46,8 +56,9 @@ class LoopbackTwoRound {
  public:
   using transport_tag = void;
 
-  // outbox[src][dst] -> inbox[dst]. Every (src, dst) pair takes part in both rounds.
-  std::vector<Inbox> exchange(const std::vector<std::vector<Bytes>>& outbox) {
+  // outbox[src][dst] -> inbox[dst]. Every (src, dst) pair takes part in both rounds; an empty
+  // payload is announced as 0 bytes and delivers nothing.
+  std::vector<Inbox> exchange(const std::vector<std::vector<Payload>>& outbox) {
     const std::size_t senders = outbox.size();
     const std::size_t receivers = senders == 0 ? 0 : outbox[0].size();
     for (const auto& row : outbox) {
@@ -61,24 +72,28 @@ class LoopbackTwoRound {
     std::vector<std::string> errors(receivers);
     std::barrier sync(static_cast<std::ptrdiff_t>(senders + receivers));
 
-    auto payload = [&](std::size_t s, std::size_t d) -> const Bytes& {
-      if (fault_ && fault_->kind == TransportFault::Kind::drop &&
-          static_cast<std::size_t>(fault_->src) == s &&
-          static_cast<std::size_t>(fault_->dst) == d) {
-        static const Bytes empty;
-        return empty;  // lost without trace: not even announced
-      }
-      return outbox[s][d];
+    const Payload lost;  // a dropped message: lost without trace, not even announced
+    auto payload = [&](std::size_t s, std::size_t d) -> const Payload& {
+      const bool dropped = fault_ && fault_->kind == TransportFault::Kind::drop &&
+                           static_cast<std::size_t>(fault_->src) == s &&
+                           static_cast<std::size_t>(fault_->dst) == d;
+      return dropped ? lost : outbox[s][d];
     };
     auto sender = [&](std::size_t s) {
-      for (std::size_t d = 0; d < receivers; ++d)
-        counts[s][d] = payload(s, d).size();         // round 1
+      for (std::size_t d = 0; d < receivers; ++d) {
+        counts[s][d] = payload_size(payload(s, d));  // round 1: every count, zeros included
+      }
       sync.arrive_and_wait();                        // counts posted
       sync.arrive_and_wait();                        // receivers allocated
       for (std::size_t d = 0; d < receivers; ++d) {  // round 2
-        const Bytes& p = payload(s, d);
+        const Payload& p = payload(s, d);
         Bytes& slot = slots[d][s];
-        if (slot.size() == p.size()) std::copy(p.begin(), p.end(), slot.begin());
+        if (slot.size() != payload_size(p)) continue;
+        std::size_t at = 0;
+        for (const auto& part : p) {
+          std::copy(part.begin(), part.end(), slot.begin() + static_cast<std::ptrdiff_t>(at));
+          at += part.size();
+        }
       }
       sync.arrive_and_wait();  // payloads delivered
     };
@@ -94,8 +109,9 @@ class LoopbackTwoRound {
                       std::to_string(s) + " delivered " + std::to_string(slots[d][s].size()) +
                       " bytes, " + std::to_string(counts[s][d]) + " announced in round 1";
         }
-        if (!slots[d][s].empty())
+        if (!slots[d][s].empty()) {
           inbox[d].emplace_back(static_cast<std::int64_t>(s), std::move(slots[d][s]));
+        }
       }
     };
     std::vector<std::thread> threads;
@@ -120,7 +136,16 @@ class LoopbackTwoRound {
         ++stats_.messages;
       }
     }
-    if (keep_history_) previous_ = outbox;
+    if (keep_history_) {
+      previous_.assign(senders, std::vector<Bytes>(receivers));
+      for (std::size_t s = 0; s < senders; ++s) {
+        for (std::size_t d = 0; d < receivers; ++d) {
+          for (const auto& part : outbox[s][d]) {
+            previous_[s][d].insert(previous_[s][d].end(), part.begin(), part.end());
+          }
+        }
+      }
+    }
     return inbox;
   }
 
