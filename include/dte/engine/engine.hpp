@@ -103,7 +103,9 @@ struct SyncReport {
   }
 };
 
-template <optimizer_inverse Inverse, change_detector Detect, class Layout = layout::MegatronToHF,
+using MegatronToHF = layout::MegatronToHF;
+
+template <optimizer_inverse Inverse, change_detector Detect, class Layout = MegatronToHF,
           class Transport = LoopbackTwoRound>
 requires layout_mapping<Layout>
 class DeltaEngine {
@@ -144,7 +146,9 @@ class DeltaEngine {
     }
   }
 
-  [[nodiscard]] const std::vector<layout::TransferPlan>& plans() const noexcept { return plans_; }
+  using Plan = typename layout::plan_for<Layout>::type;
+
+  [[nodiscard]] const std::vector<Plan>& plans() const noexcept { return plans_; }
   [[nodiscard]] const std::vector<Receiver>& receivers() const noexcept { return receivers_; }
   [[nodiscard]] Version version() const noexcept { return version_; }
   [[nodiscard]] std::int64_t pending_steps() const noexcept { return pending_; }
@@ -245,7 +249,7 @@ class DeltaEngine {
     DTE_OMP(parallel for schedule(dynamic, 1))
     for (std::size_t r = 0; r < ranks; ++r) {
       try {
-        const layout::TransferPlan& plan = plans_[r];
+        const Plan& plan = plans_[r];
         for (layout::BufferKind b : {layout::BufferKind::dense, layout::BufferKind::expert}) {
           for (const layout::PlanSegment& s : plan.segments(b)) {
             if (!s.sender) {
@@ -258,7 +262,7 @@ class DeltaEngine {
             using Kernel = typename Inverse::kernel;
             std::optional<Kernel> k;
             if (mode != Scan::all) k.emplace(access.kernel(static_cast<std::int64_t>(r), b, s));
-            const layout::MegatronParam& p = plan.params()[static_cast<std::size_t>(s.param)];
+            const auto& p = plan.params()[static_cast<std::size_t>(s.param)];
             const std::vector<std::uint8_t>& dense = dense_[r];
             for (std::int64_t i = 0; i < s.length; ++i) {
               const layout::Canonical c = plan.mapping()(p, s.param_begin + i);
@@ -360,7 +364,7 @@ class DeltaEngine {
       std::int64_t offset = 0, len = 0;
       layout::RouteTarget t{};
     };
-    const layout::TransferPlan& plan = plans_[r];
+    const Plan& plan = plans_[r];
     const auto& it = recv_layout_->topology();
     std::vector<Pending> pending(receivers_.size());
     auto piece = [&](layout::BufferKind b, std::int64_t offset, std::int64_t len,
@@ -377,7 +381,7 @@ class DeltaEngine {
     for (layout::BufferKind b : {layout::BufferKind::dense, layout::BufferKind::expert}) {
       for (const layout::PlanSegment& s : plan.segments(b)) {
         if (!s.sender) continue;
-        const layout::MegatronParam& p = plan.params()[static_cast<std::size_t>(s.param)];
+        const auto& p = plan.params()[static_cast<std::size_t>(s.param)];
         for (std::int64_t pos = 0; pos < s.length;) {
           const std::int64_t local = s.param_begin + pos;
           const std::int64_t row_left = p.cols == 0 ? p.numel() - local : p.cols - local % p.cols;
@@ -558,12 +562,12 @@ class DeltaEngine {
         w.begin();
     }
     for (std::size_t r = 0; r < ranks; ++r) {
-      const layout::TransferPlan& plan = plans_[r];
+      const Plan& plan = plans_[r];
       for (layout::BufferKind b : {layout::BufferKind::dense, layout::BufferKind::expert}) {
         const std::span<const float> theta = access.theta(static_cast<std::int64_t>(r), b);
         for (const layout::PlanSegment& s : plan.segments(b)) {
           if (!s.sender) continue;
-          const layout::MegatronParam& p = plan.params()[static_cast<std::size_t>(s.param)];
+          const auto& p = plan.params()[static_cast<std::size_t>(s.param)];
           for (std::int64_t i = 0; i < s.length; ++i) {
             const layout::Canonical c = plan.mapping()(p, s.param_begin + i);
             if (c.tensor < 0) continue;
@@ -599,7 +603,7 @@ class DeltaEngine {
   const layout::SglangLayout* recv_layout_;
   EngineConfig config_;
   Transport* transport_;
-  std::vector<layout::TransferPlan> plans_;
+  std::vector<Plan> plans_;
   std::vector<Receiver> receivers_;
   std::vector<std::vector<std::uint64_t>> masks_;
   std::vector<std::vector<MessageWriter>> writers_;  // [trainer rank][receiver]

@@ -168,4 +168,12 @@ class TransferPlan {
   std::int64_t shard_size_[2] = {0, 0};
 };
 
+// The plan type a LayoutMapping routes with.
+template <class Layout>
+struct plan_for;
+template <>
+struct plan_for<MegatronToHF> {
+  using type = TransferPlan;
+};
+
 }  // namespace dte::layout
