@@ -7,8 +7,10 @@
 #include <array>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -324,4 +326,58 @@ TEST_CASE("dte plan --dump-map: one CSV line per route") {
   const Run big = run_dte("plan --model qwen3-8b --train tp=8 --dump-map " + csv);
   CHECK(big.status == 2);
   CHECK_MESSAGE(big.output.find("use a tiny model") != std::string::npos, big.output);
+}
+
+TEST_CASE("dte simulate: verified, bit-identical, JSON summary as the last line, --dump") {
+  const std::string dir = (temp_dir() / "sim-dump").string();
+  std::filesystem::remove_all(dir);
+  const Run r = run_dte(
+      "simulate --model tiny-qwen3-moe --train tp=2,ep=2,dp=2 --infer tp=4,ep=2,replicas=2 "
+      "--steps 12 --publish-every 5 --lr 1e-5 --json --dump " +
+      dir);
+  REQUIRE(r.status == 0);
+  std::vector<std::string> lines;
+  std::istringstream in(r.output);
+  for (std::string line; std::getline(in, line);)
+    lines.push_back(line);
+  REQUIRE(lines.size() == 1 + 4);  // full, v1 (5 steps), v2 (10), v3 (flush: 2), summary
+  const auto last = nlohmann::json::parse(lines.back());
+  CHECK(last.at("steps") == 12);
+  CHECK(last.at("publications") == 4);
+  CHECK(last.at("all_bit_identical") == true);
+  CHECK(last.at("all_verified") == true);
+  CHECK(last.at("mean_changed_fraction").get<double>() > 0.0);
+  CHECK(last.at("bytes_sent").get<std::int64_t>() > 0);
+  CHECK(last.at("dense_bytes").get<std::int64_t>() > 0);
+  const auto flush = nlohmann::json::parse(lines[3]);
+  CHECK(flush.at("steps") == 2);
+  CHECK(flush.at("verified") == true);
+
+  const auto trainer = dte::io::SafetensorsFile::read(dir + "/trainer.safetensors");
+  CHECK(trainer.at("model.layers.1.mlp.experts.7.down_proj.weight").dtype == dte::io::DType::F32);
+  for (int rank = 0; rank < 8; ++rank) {
+    const auto recv =
+        dte::io::SafetensorsFile::read(dir + "/receiver-" + std::to_string(rank) + ".safetensors");
+    const auto& w13 = recv.at("model.layers.0.mlp.experts.w13_weight");
+    CHECK(w13.dtype == dte::io::DType::BF16);
+    CHECK(w13.shape == std::vector<std::uint64_t>{4, 16, 32});  // E/ep=4, 2*Fm/(tp/ep)=16, H
+  }
+  // An independent check of one element: lm_head row 0 on receiver 0 is the rounded trainer value.
+  const auto head = trainer.read_as<float>("lm_head.weight");
+  const auto r0 = dte::io::SafetensorsFile::read(dir + "/receiver-0.safetensors");
+  const auto bits = r0.read_as<std::uint16_t>("lm_head.weight", dte::io::DType::BF16);
+  std::uint32_t u;
+  std::memcpy(&u, &head[5], 4);
+  const std::uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  CHECK(bits[5] == rounded);
+}
+
+TEST_CASE("dte simulate: bad arguments are refused") {
+  const Run r = run_dte("simulate --model tiny-qwen3 --train tp=3 --steps 2");
+  CHECK(r.status == 2);
+  CHECK_MESSAGE(
+      r.output.find("num_attention_heads (8) is not divisible by tp (3)") != std::string::npos,
+      r.output);
+  const Run k = run_dte("simulate --model tiny-qwen3 --steps 2 --publish-every 0");
+  CHECK(k.status == 2);
 }
