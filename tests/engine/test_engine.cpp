@@ -149,12 +149,13 @@ TEST_CASE("a dropped payload is caught by the digest and repaired") {
   CHECK(golden_mismatches(f.hf, f.recv, f.trainer, f.engine) == 0);
 }
 
-TEST_CASE("a duplicated (replayed) payload changes nothing and the digest confirms it") {
+TEST_CASE("a duplicated (replayed) payload is detected and changes nothing; the digest confirms") {
   Fixture f;
   f.transport.keep_history(true);
   f.step();
   f.transport.inject({.kind = TransportFault::Kind::duplicate, .src = 0, .dst = 1});
   const SyncReport rep = f.step();
+  CHECK(rep.stale_messages == 1);  // the replay of the previous version, recognised and ignored
   CHECK(rep.verified);
   CHECK(rep.repaired.empty());
   CHECK(golden_mismatches(f.hf, f.recv, f.trainer, f.engine) == 0);

@@ -58,6 +58,7 @@ struct SyncReport {
   bool verified = false;                // every replica matched (after repair, if any)
   std::vector<std::string> repaired;    // canonical tensors resent densely
   std::vector<std::int64_t> resynced;   // receivers that refused and got a full resync
+  std::uint64_t stale_messages = 0;     // replays of older versions, ignored by the receivers
   // Memory beyond the model (bytes), for the rank with the largest ratio to its payload: the
   // sender's chunked messages (+ its dirty masks when K > 1), the receiver's received messages.
   std::uint64_t sender_extra_bytes = 0, sender_payload_bytes = 0;
@@ -84,6 +85,7 @@ struct SyncReport {
                   "\"changed\":%llu,\"guard_extra\":%llu,\"changed_fraction\":%.6g,"
                   "\"receiver_writes\":%llu,\"bytes\":%llu,\"dense_bytes\":%llu,"
                   "\"digest\":\"%016llx\",\"verified\":%s,\"resynced_receivers\":%zu,"
+                  "\"stale_messages\":%llu,"
                   "\"seconds\":{\"detect\":%.6f,\"route\":%.6f,\"exchange\":%.6f,\"apply\":%.6f,"
                   "\"verify\":%.6f},\"repaired\":[",
                   static_cast<unsigned long long>(version), kind.c_str(),
@@ -93,7 +95,8 @@ struct SyncReport {
                   static_cast<unsigned long long>(bytes),
                   static_cast<unsigned long long>(dense_bytes),
                   static_cast<unsigned long long>(digest), verified ? "true" : "false",
-                  resynced.size(), detect_s, route_s, exchange_s, apply_s, verify_s);
+                  resynced.size(), static_cast<unsigned long long>(stale_messages), detect_s,
+                  route_s, exchange_s, apply_s, verify_s);
     std::string out = buf;
     out += repaired_list + "],\"bytes_to\":[";
     for (std::size_t i = 0; i < bytes_to.size(); ++i) {
@@ -487,6 +490,8 @@ class DeltaEngine {
     for (std::size_t d = 0; d < receivers_.size(); ++d) {
       results[d] = receivers_[d].apply(version_, inbox[d]);
     }
+    for (const ApplyResult& a : results)
+      rep.stale_messages += a.stale;
     // Receiver memory beyond its live tensors: the received messages (read in place) and one
     // small view per message.
     rep.receiver_extra_bytes = rep.receiver_payload_bytes = 0;
