@@ -368,7 +368,6 @@ class DeltaEngine {
       layout::RouteTarget t{};
     };
     const Plan& plan = plans_[r];
-    const auto& it = recv_layout_->topology();
     std::vector<Pending> pending(receivers_.size());
     auto piece = [&](layout::BufferKind b, std::int64_t offset, std::int64_t len,
                      const layout::RouteTarget& t) {
@@ -392,11 +391,8 @@ class DeltaEngine {
           const layout::Canonical c = plan.mapping()(p, local);
           if (c.tensor >= 0) {
             n = std::min({n, (*hf_)[c.tensor].numel() - c.index, recv_layout_->contiguous(c)});
-            recv_layout_->targets(c, [&](const layout::ReceiverElement& e) {
-              for (std::int64_t replica = 0; replica < it.replicas; ++replica) {
-                piece(b, s.shard_begin + pos, n,
-                      layout::RouteTarget{replica * it.tp + e.ts, e.tensor, e.index});
-              }
+            layout::route_canonical(*recv_layout_, c, [&](const layout::RouteTarget& t) {
+              piece(b, s.shard_begin + pos, n, t);
             });
           }
           pos += n;

@@ -77,26 +77,13 @@ class IdentityPlan {
   [[nodiscard]] const Identity& mapping() const noexcept { return map_; }
 
   [[nodiscard]] Canonical canonical(BufferKind b, std::int64_t o) const noexcept {
-    const auto& segs = segments(b);
-    auto it =
-        std::upper_bound(segs.begin(), segs.end(), o,
-                         [](std::int64_t x, const PlanSegment& s) { return x < s.shard_begin; });
-    if (it == segs.begin()) return {};
-    --it;
-    return o < it->shard_begin + it->length ? Canonical{it->param, o - it->shard_begin}
-                                            : Canonical{};
+    const PlanSegment* s = find_segment(segments(b), o);
+    return s == nullptr ? Canonical{} : Canonical{s->param, o - s->shard_begin};
   }
 
   template <class Emit>
   void route(BufferKind b, std::int64_t o, Emit&& emit) const {
-    const Canonical c = canonical(b, o);
-    if (c.tensor < 0) return;
-    const InferTopology& it = receivers_->topology();
-    receivers_->targets(c, [&](const ReceiverElement& e) {
-      for (std::int64_t replica = 0; replica < it.replicas; ++replica) {
-        emit(RouteTarget{replica * it.tp + e.ts, e.tensor, e.index});
-      }
-    });
+    route_canonical(*receivers_, canonical(b, o), emit);
   }
 
  private:

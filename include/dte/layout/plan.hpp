@@ -64,6 +64,29 @@ struct PlanSegment {
   bool sender;               // false for TP replicas of replicated tensors (not sent)
 };
 
+// The segment of `segs` (sorted by shard_begin) holding shard offset o, or nullptr.
+inline const PlanSegment* find_segment(const std::vector<PlanSegment>& segs,
+                                       std::int64_t o) noexcept {
+  auto it = std::upper_bound(segs.begin(), segs.end(), o, [](std::int64_t x, const PlanSegment& s) {
+    return x < s.shard_begin;
+  });
+  if (it == segs.begin()) return nullptr;
+  --it;
+  return o < it->shard_begin + it->length ? &*it : nullptr;
+}
+
+// emit(RouteTarget) for every receiver element, in every replica, holding canonical element c.
+template <class Emit>
+void route_canonical(const SglangLayout& receivers, Canonical c, Emit&& emit) {
+  if (c.tensor < 0) return;
+  const InferTopology& it = receivers.topology();
+  receivers.targets(c, [&](const ReceiverElement& e) {
+    for (std::int64_t replica = 0; replica < it.replicas; ++replica) {
+      emit(RouteTarget{replica * it.tp + e.ts, e.tensor, e.index});
+    }
+  });
+}
+
 class TransferPlan {
  public:
   // The plan for Megatron's own buffer layout (computed from the topology).
@@ -88,13 +111,7 @@ class TransferPlan {
 
   // The segment holding shard offset `o`, or nullptr (alignment or bucket padding).
   [[nodiscard]] const PlanSegment* locate(BufferKind b, std::int64_t o) const noexcept {
-    const auto& segs = segments(b);
-    auto it =
-        std::upper_bound(segs.begin(), segs.end(), o,
-                         [](std::int64_t x, const PlanSegment& s) { return x < s.shard_begin; });
-    if (it == segs.begin()) return nullptr;
-    --it;
-    return o < it->shard_begin + it->length ? &*it : nullptr;
+    return find_segment(segments(b), o);
   }
 
   // The canonical element this rank SENDS for shard offset o (tensor -1: nothing to send).
@@ -108,14 +125,7 @@ class TransferPlan {
   // at shard offset o of buffer b. Nothing for padding and for non-sending replicas.
   template <class Emit>
   void route(BufferKind b, std::int64_t o, Emit&& emit) const {
-    const Canonical c = canonical(b, o);
-    if (c.tensor < 0) return;
-    const InferTopology& it = receivers_->topology();
-    receivers_->targets(c, [&](const ReceiverElement& e) {
-      for (std::int64_t replica = 0; replica < it.replicas; ++replica) {
-        emit(RouteTarget{replica * it.tp + e.ts, e.tensor, e.index});
-      }
-    });
+    route_canonical(*receivers_, canonical(b, o), emit);
   }
 
   // Memory this plan holds (its own tables; the model and receiver catalogues are shared).
