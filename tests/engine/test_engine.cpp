@@ -218,7 +218,9 @@ TEST_CASE("NaN in optimizer state refuses the publication and names the tensor")
   Fixture f;
   const Version held = f.engine.version();
   f.trainer.step();
-  f.trainer.exp_avg_sq(1, BufferKind::dense)[100] = std::nanf("");
+  float& cell = f.trainer.exp_avg_sq(1, BufferKind::dense)[100];
+  const float saved = cell;
+  cell = std::nanf("");
   SyncReport rep;
   try {
     f.engine.step(f.access, rep);
@@ -232,6 +234,14 @@ TEST_CASE("NaN in optimizer state refuses the publication and names the tensor")
   CHECK(f.engine.version() == held);
   for (const Receiver& r : f.engine.receivers())
     CHECK(r.version() == held);
+  // Once the state is sound again, the next publication resends everything (the refused
+  // step's changes were never recorded) and the receivers are exact again.
+  cell = saved;
+  const SyncReport next = f.step();
+  CHECK(next.kind == "full");
+  CHECK(next.version == held + 1);
+  CHECK(next.verified);
+  CHECK(golden_mismatches(f.hf, f.recv, f.trainer, f.engine) == 0);
 }
 
 TEST_CASE("an unchanged step publishes an explicit no-op version") {

@@ -161,9 +161,10 @@ class DeltaEngine {
   SyncReport publish_full(Access&& access) {
     SyncReport rep;
     rep.kind = "full";
-    version_ = 0;
-    rep.version = version_;
+    rep.version = 0;
     scan(access, Scan::all, rep);
+    version_ = 0;
+    needs_full_ = false;
     deliver(MessageKind::full, rep, access);
     return rep;
   }
@@ -212,12 +213,22 @@ class DeltaEngine {
   template <class Access>
   SyncReport publish_now(Access& access, Scan mode) {
     SyncReport rep;
-    rep.version = ++version_;
+    rep.version = version_ + 1;
     rep.steps = pending_;
-    scan(access, mode, rep);
+    const bool full = needs_full_;
+    scan(access, full ? Scan::all : mode, rep);  // throws before anything is sent
+    version_ = rep.version;
     pending_ = 0;
-    rep.kind = rep.changed == 0 ? "noop" : "delta";
-    deliver(rep.changed == 0 ? MessageKind::noop : MessageKind::delta, rep, access);
+    needs_full_ = false;
+    if (full && !masks_.empty()) {
+      for (auto& m : masks_)
+        std::fill(m.begin(), m.end(), 0);
+    }
+    const MessageKind kind = full               ? MessageKind::full
+                             : rep.changed == 0 ? MessageKind::noop
+                                                : MessageKind::delta;
+    rep.kind = full ? "full" : rep.changed == 0 ? "noop" : "delta";
+    deliver(kind, rep, access);
     return rep;
   }
 
@@ -318,8 +329,9 @@ class DeltaEngine {
     }
     for (std::size_t r = 0; r < ranks; ++r) {
       if (!errors[r].empty()) {
-        // Refused before anything was sent: the receivers keep the version they hold.
-        --version_;
+        // Refused before anything was sent: the receivers keep the version they hold. The
+        // changes of this step were not recorded, so the next publication sends everything.
+        needs_full_ = true;
         throw invalid_argument("publication refused on trainer rank " + std::to_string(r) + ": " +
                                errors[r]);
       }
@@ -614,6 +626,7 @@ class DeltaEngine {
   std::vector<std::uint64_t> trainer_digest_;
   std::uint64_t dense_bytes_ = 0;
   std::int64_t pending_ = 0;
+  bool needs_full_ = false;  // a refused scan lost track of changes: resend everything
   Version version_ = no_version;
 };
 
