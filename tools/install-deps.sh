@@ -9,6 +9,7 @@ packages=(
   cmake ninja-build g++ ccache clang-format
   doctest-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev libzstd-dev libxxhash-dev
   python3 python3-torch
+  libopenmpi-dev openmpi-bin
 )
 
 missing=()

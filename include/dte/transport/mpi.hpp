@@ -1,0 +1,190 @@
+// SPDX-License-Identifier: Apache-2.0
+// MpiTwoRound: the two-round exchange between trainer (sender) and receiver processes of one MPI
+// job. Round 1: every sender sends its byte count to every receiver, zeros included, so every
+// pair posts matching operations. Round 2: receivers allocate exactly what was announced and
+// the payloads move in chunks of at most `max_message` bytes (MPI counts are ints), with a
+// schedule both sides derive from round 1. Every wait is a progress loop over non-blocking
+// operations with a deadline: on expiry the error names the peers still pending and the round.
+// Needs MPI (target dte::mpi). Host buffers.
+#pragma once
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dte/error.hpp"
+#include "dte/transport/loopback.hpp"
+
+namespace dte {
+
+class deadline_error : public error {
+ public:
+  using error::error;
+};
+
+#define DTE_MPI_TRY(expr)                                                                     \
+  do {                                                                                        \
+    const int dte_mpi_status_ = (expr);                                                       \
+    if (dte_mpi_status_ != MPI_SUCCESS) {                                                     \
+      char dte_mpi_text_[MPI_MAX_ERROR_STRING];                                               \
+      int dte_mpi_len_ = 0;                                                                   \
+      MPI_Error_string(dte_mpi_status_, dte_mpi_text_, &dte_mpi_len_);                        \
+      throw ::dte::error(std::string("MPI error from `" #expr "`: ") +                        \
+                         std::string(dte_mpi_text_, static_cast<std::size_t>(dte_mpi_len_))); \
+    }                                                                                         \
+  } while (false)
+
+struct MpiTwoRoundConfig {
+  std::chrono::milliseconds deadline{30'000};      // per round
+  std::size_t max_message = std::size_t{1} << 30;  // bytes per MPI message (< INT_MAX)
+  int tag = 0x6474;                                // "dt"; round 2 uses tag + 1
+};
+
+class MpiTwoRound {
+ public:
+  using transport_tag = void;
+
+  // Ranks [0, senders) of `comm` send; ranks [senders, senders + receivers) receive.
+  MpiTwoRound(MPI_Comm comm, int senders, int receivers, MpiTwoRoundConfig cfg = {})
+      : comm_(comm), senders_(senders), receivers_(receivers), cfg_(cfg) {
+    DTE_MPI_TRY(MPI_Comm_rank(comm, &rank_));
+    int size = 0;
+    DTE_MPI_TRY(MPI_Comm_size(comm, &size));
+    if (senders < 1 || receivers < 1 || senders + receivers > size) {
+      throw invalid_argument(
+          "MpiTwoRound: " + std::to_string(senders) + " senders + " + std::to_string(receivers) +
+          " receivers do not fit a communicator of " + std::to_string(size) + " processes");
+    }
+    if (cfg.max_message == 0 || cfg.max_message > static_cast<std::size_t>(INT_MAX)) {
+      throw invalid_argument("MpiTwoRound: max_message must be in [1, INT_MAX]");
+    }
+  }
+
+  [[nodiscard]] bool is_sender() const noexcept { return rank_ < senders_; }
+  [[nodiscard]] bool is_receiver() const noexcept {
+    return rank_ >= senders_ && rank_ < senders_ + receivers_;
+  }
+  [[nodiscard]] int receiver_index() const noexcept { return rank_ - senders_; }
+
+  // A sender passes one payload per receiver (empty: nothing for it) and gets an empty inbox;
+  // a receiver passes nothing and gets (sender, bytes) for every sender with a non-empty payload.
+  Inbox exchange(const std::vector<Payload>& to_receivers) {
+    if (is_sender() && static_cast<int>(to_receivers.size()) != receivers_) {
+      throw invalid_argument("MpiTwoRound: a sender must address all " +
+                             std::to_string(receivers_) + " receivers");
+    }
+    // Round 1: counts.
+    std::vector<std::uint64_t> counts(
+        static_cast<std::size_t>(is_sender() ? receivers_ : senders_));
+    std::vector<MPI_Request> reqs;
+    std::vector<int> peer;
+    if (is_sender()) {
+      for (int d = 0; d < receivers_; ++d) {
+        counts[static_cast<std::size_t>(d)] =
+            payload_size(to_receivers[static_cast<std::size_t>(d)]);
+        reqs.push_back(MPI_REQUEST_NULL);
+        peer.push_back(senders_ + d);
+        DTE_MPI_TRY(MPI_Isend(&counts[static_cast<std::size_t>(d)], 1, MPI_UINT64_T, senders_ + d,
+                              cfg_.tag, comm_, &reqs.back()));
+      }
+    } else if (is_receiver()) {
+      for (int s = 0; s < senders_; ++s) {
+        reqs.push_back(MPI_REQUEST_NULL);
+        peer.push_back(s);
+        DTE_MPI_TRY(MPI_Irecv(&counts[static_cast<std::size_t>(s)], 1, MPI_UINT64_T, s, cfg_.tag,
+                              comm_, &reqs.back()));
+      }
+    }
+    wait_all(reqs, peer, "round 1 (counts)");
+
+    // Round 2: payloads, chunked; the schedule follows from the counts on both sides.
+    Inbox inbox;
+    reqs.clear();
+    peer.clear();
+    std::vector<Bytes> flat;  // senders: a contiguous copy only when a payload has several spans
+    if (is_sender()) {
+      flat.resize(static_cast<std::size_t>(receivers_));
+      for (int d = 0; d < receivers_; ++d) {
+        const Payload& p = to_receivers[static_cast<std::size_t>(d)];
+        const std::byte* data = nullptr;
+        if (p.size() == 1) {
+          data = p[0].data();
+        } else if (p.size() > 1) {
+          Bytes& f = flat[static_cast<std::size_t>(d)];
+          for (const auto& part : p)
+            f.insert(f.end(), part.begin(), part.end());
+          data = f.data();
+        }
+        post_chunks(const_cast<std::byte*>(data), counts[static_cast<std::size_t>(d)], senders_ + d,
+                    /*send=*/true, reqs, peer);
+      }
+    } else if (is_receiver()) {
+      inbox.reserve(static_cast<std::size_t>(senders_));
+      for (int s = 0; s < senders_; ++s) {
+        if (counts[static_cast<std::size_t>(s)] == 0) continue;
+        inbox.emplace_back(s, Bytes(static_cast<std::size_t>(counts[static_cast<std::size_t>(s)])));
+        post_chunks(inbox.back().second.data(), counts[static_cast<std::size_t>(s)], s,
+                    /*send=*/false, reqs, peer);
+      }
+    }
+    wait_all(reqs, peer, "round 2 (payloads)");
+    return inbox;
+  }
+
+ private:
+  void post_chunks(std::byte* data, std::uint64_t bytes, int other, bool send,
+                   std::vector<MPI_Request>& reqs, std::vector<int>& peer) {
+    for (std::uint64_t at = 0; at < bytes; at += cfg_.max_message) {
+      const int n = static_cast<int>(std::min<std::uint64_t>(cfg_.max_message, bytes - at));
+      reqs.push_back(MPI_REQUEST_NULL);
+      peer.push_back(other);
+      if (send) {
+        DTE_MPI_TRY(MPI_Isend(data + at, n, MPI_BYTE, other, cfg_.tag + 1, comm_, &reqs.back()));
+      } else {
+        DTE_MPI_TRY(MPI_Irecv(data + at, n, MPI_BYTE, other, cfg_.tag + 1, comm_, &reqs.back()));
+      }
+    }
+  }
+
+  // Progress loop: test until every request completes or the deadline passes.
+  void wait_all(std::vector<MPI_Request>& reqs, const std::vector<int>& peer, const char* phase) {
+    const auto until = std::chrono::steady_clock::now() + cfg_.deadline;
+    for (;;) {
+      int done = 0;
+      DTE_MPI_TRY(
+          MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE));
+      if (done) return;
+      if (std::chrono::steady_clock::now() >= until) break;
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    std::vector<int> pending;
+    for (std::size_t i = 0; i < reqs.size(); ++i) {
+      int flag = 0;
+      MPI_Test(&reqs[i], &flag, MPI_STATUS_IGNORE);
+      if (!flag && std::find(pending.begin(), pending.end(), peer[i]) == pending.end()) {
+        pending.push_back(peer[i]);
+      }
+    }
+    std::string who;
+    for (int p : pending)
+      who += (who.empty() ? "" : ", ") + std::to_string(p);
+    throw deadline_error("MpiTwoRound: rank " + std::to_string(rank_) + " waited " +
+                         std::to_string(cfg_.deadline.count()) + " ms in " + phase +
+                         " for rank(s) " + who +
+                         " (stalled or dead); this version is not committed");
+  }
+
+  MPI_Comm comm_;
+  int senders_, receivers_;
+  MpiTwoRoundConfig cfg_;
+  int rank_ = 0;
+};
+
+}  // namespace dte
