@@ -18,6 +18,7 @@
 #include "dte/sim/access.hpp"
 #include "dte/sim/dense_check.hpp"
 #include "dte/sim/synthetic_trainer.hpp"
+#include "simulate.hpp"
 
 namespace dte::tool {
 
@@ -73,14 +74,7 @@ void dump(const std::filesystem::path& dir, const HfModel& hf, const SglangLayou
 void register_simulate(CLI::App& app, int& status) {
   auto* cmd = app.add_subcommand(
       "simulate", "Train a synthetic Qwen3 in-process and sync every receiver by deltas");
-  struct Options {
-    std::string model = "small-qwen3", train = "tp=2,dp=2", infer = "tp=4,replicas=2", dump;
-    std::int64_t steps = 50, publish_every = 1, warmup = -1;
-    double lr = 1e-6;
-    std::uint64_t seed = 0;
-    bool json = false;
-  };
-  auto o = std::make_shared<Options>();
+  auto o = std::make_shared<SimulateOptions>();
   cmd->add_option("--model", o->model, "preset or config.json")->capture_default_str();
   cmd->add_option("--train", o->train, "trainer topology (as dte plan)")->capture_default_str();
   cmd->add_option("--infer", o->infer, "receiver topology (as dte plan)")->capture_default_str();
@@ -98,7 +92,21 @@ void register_simulate(CLI::App& app, int& status) {
       "--dump", o->dump,
       "write DIR/trainer.safetensors (F32, HF names) and DIR/receiver-<rank>.safetensors "
       "(BF16, SGLang names) at the end");
+  cmd->add_option("--transport", o->transport,
+                  "loopback: every rank a thread of this process; mpi: one rank per process of "
+                  "an MPI job (mpirun -np trainer ranks + receiver ranks)")
+      ->check(CLI::IsMember({"loopback", "mpi"}))
+      ->capture_default_str();
+  cmd->add_option("--deadline-ms", o->deadline_ms, "MPI: deadline of every wait")
+      ->capture_default_str();
+  cmd->add_option("--fault", o->fault,
+                  "MPI fault test: kill-receiver:R:V (receiver R SIGKILLs itself in version V's "
+                  "payload round) or stall-trainer:G:V (trainer G stalls there past the deadline)");
   cmd->callback([o, &status] {
+    if (o->transport == "mpi") {
+      status = simulate_mpi(*o);
+      return;
+    }
     if (!(o->lr >= 0.0))
       throw invalid_argument("--lr must be >= 0 (got " + std::to_string(o->lr) + ")");
     const ModelSpec m = io::load_model(o->model);

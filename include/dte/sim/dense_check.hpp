@@ -14,13 +14,12 @@
 
 namespace dte::sim {
 
-// Receiver elements (all ranks) that differ from round(canonical); the vocabulary tail must be 0.
+// Elements of one receiver that differ from round(canonical); the vocabulary tail must be 0.
 template <class Format = Bf16Format>
 std::int64_t dense_mismatches(const layout::HfModel& hf, const layout::SglangLayout& recv,
-                              const std::vector<float>& canonical,
-                              const std::vector<Receiver>& receivers) {
+                              const std::vector<float>& canonical, const Receiver& r) {
   std::int64_t bad = 0;
-  for (const Receiver& r : receivers) {
+  {
     const std::int64_t ts = r.rank() % recv.topology().tp;
     for (std::int64_t k = 0; k < recv.size(); ++k) {
       const auto& t = r.tensor(k);
@@ -36,6 +35,17 @@ std::int64_t dense_mismatches(const layout::HfModel& hf, const layout::SglangLay
       }
     }
   }
+  return bad;
+}
+
+// The same over every receiver rank.
+template <class Format = Bf16Format>
+std::int64_t dense_mismatches(const layout::HfModel& hf, const layout::SglangLayout& recv,
+                              const std::vector<float>& canonical,
+                              const std::vector<Receiver>& receivers) {
+  std::int64_t bad = 0;
+  for (const Receiver& r : receivers)
+    bad += dense_mismatches<Format>(hf, recv, canonical, r);
   return bad;
 }
 

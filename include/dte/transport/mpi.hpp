@@ -15,6 +15,7 @@
 #include <climits>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -73,6 +74,10 @@ class MpiTwoRound {
   }
   [[nodiscard]] int receiver_index() const noexcept { return rank_ - senders_; }
 
+  // For fault tests: runs once, on this process, between round 1 and round 2 of the next
+  // exchange.
+  void between_rounds(std::function<void()> hook) { between_rounds_ = std::move(hook); }
+
   // A sender passes one payload per receiver (empty: nothing for it) and gets an empty inbox;
   // a receiver passes nothing and gets (sender, bytes) for every sender with a non-empty payload.
   Inbox exchange(const std::vector<Payload>& to_receivers) {
@@ -103,6 +108,11 @@ class MpiTwoRound {
       }
     }
     wait_all(reqs, peer, "round 1 (counts)");
+    if (between_rounds_) {
+      auto hook = std::move(between_rounds_);
+      between_rounds_ = nullptr;
+      hook();
+    }
 
     // Round 2: payloads, chunked; the schedule follows from the counts on both sides.
     Inbox inbox;
@@ -185,6 +195,7 @@ class MpiTwoRound {
   int senders_, receivers_;
   MpiTwoRoundConfig cfg_;
   int rank_ = 0;
+  std::function<void()> between_rounds_;
 };
 
 }  // namespace dte

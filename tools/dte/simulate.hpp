@@ -1,0 +1,24 @@
+// SPDX-License-Identifier: Apache-2.0
+// Options shared by the in-process and the MPI runs of `dte simulate`.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace dte::tool {
+
+struct SimulateOptions {
+  std::string model = "small-qwen3", train = "tp=2,dp=2", infer = "tp=4,replicas=2", dump;
+  std::int64_t steps = 50, publish_every = 1, warmup = -1;
+  double lr = 1e-6;
+  std::uint64_t seed = 0;
+  bool json = false;
+  std::string transport = "loopback";
+  std::int64_t deadline_ms = 30000;
+  std::string fault;  // MPI fault injection: kill-receiver:R:V or stall-trainer:G:V
+};
+
+// The MPI run (simulate_mpi.cpp); returns the exit status. Only in builds with MPI.
+int simulate_mpi(const SimulateOptions& o);
+
+}  // namespace dte::tool
