@@ -147,7 +147,51 @@ class MpiDeltaEngine {
                          " for a rank that is stalled or dead; this version is not committed");
   }
 
+  // Every process tells every other that it reached `phase` (point to point, so a deadline
+  // names exactly the ranks that did not arrive), before a collective that cannot name them.
+  void checkpoint(const char* phase) {
+    int size = 0;
+    DTE_MPI_TRY(MPI_Comm_size(comm_, &size));
+    const auto n = static_cast<std::size_t>(size);
+    std::vector<unsigned char> in(n, 0);
+    const unsigned char token = 1;
+    std::vector<MPI_Request> reqs;
+    std::vector<int> peer;
+    constexpr int tag = 0x6476;
+    for (int r = 0; r < size; ++r) {
+      if (r == rank_) continue;
+      reqs.push_back(MPI_REQUEST_NULL);
+      peer.push_back(r);
+      DTE_MPI_TRY(MPI_Irecv(&in[static_cast<std::size_t>(r)], 1, MPI_UNSIGNED_CHAR, r, tag, comm_,
+                            &reqs.back()));
+      reqs.push_back(MPI_REQUEST_NULL);
+      peer.push_back(-1);  // our own send: not a peer we wait for
+      DTE_MPI_TRY(MPI_Isend(&token, 1, MPI_UNSIGNED_CHAR, r, tag, comm_, &reqs.back()));
+    }
+    const auto until = std::chrono::steady_clock::now() + deadline_;
+    for (;;) {
+      int done = 0;
+      DTE_MPI_TRY(
+          MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE));
+      if (done) return;
+      if (std::chrono::steady_clock::now() >= until) break;
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    std::string who;
+    for (std::size_t i = 0; i < reqs.size(); ++i) {
+      int flag = 0;
+      MPI_Test(&reqs[i], &flag, MPI_STATUS_IGNORE);
+      if (!flag && peer[i] >= 0) who += (who.empty() ? "" : ", ") + std::to_string(peer[i]);
+    }
+    throw deadline_error("MpiDeltaEngine: rank " + std::to_string(rank_) + " waited " +
+                         std::to_string(deadline_.count()) + " ms before " + phase +
+                         " for rank(s) " + who +
+                         " (stalled, dead, or waiting for one that is); this version is not "
+                         "committed");
+  }
+
   void sum(std::vector<std::uint64_t>& v, const char* phase) {
+    checkpoint(phase);
     MPI_Request req = MPI_REQUEST_NULL;
     DTE_MPI_TRY(MPI_Iallreduce(MPI_IN_PLACE, v.data(), static_cast<int>(v.size()), MPI_UINT64_T,
                                MPI_SUM, comm_, &req));
