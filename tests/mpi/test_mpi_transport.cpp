@@ -8,6 +8,7 @@
 //   --kill-receiver R      receiver rank R kills itself (SIGKILL) after round 1
 #include <mpi.h>
 
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -114,6 +115,19 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     std::fprintf(stderr, "ERROR: %s\n", e.what());
     MPI_Abort(MPI_COMM_WORLD, 4);
+  }
+  // Nobody finalizes while a peer may still fail: MPI_Finalize waiting on a stuck peer while
+  // another process aborts can leave mpirun hanging. A barrier with a deadline first.
+  MPI_Request barrier = MPI_REQUEST_NULL;
+  MPI_Ibarrier(MPI_COMM_WORLD, &barrier);
+  const auto until = std::chrono::steady_clock::now() + cfg.deadline;
+  for (int done = 0; !done;) {
+    MPI_Test(&barrier, &done, MPI_STATUS_IGNORE);
+    if (!done && std::chrono::steady_clock::now() >= until) {
+      std::fprintf(stderr, "DEADLINE: rank %d: the final barrier did not complete\n", rank);
+      MPI_Abort(MPI_COMM_WORLD, 3);
+    }
+    if (!done) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   std::printf("rank %d of %d: 3 exchanges verified\n", rank, size);
   MPI_Finalize();

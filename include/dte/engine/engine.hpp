@@ -109,33 +109,22 @@ struct SyncReport {
 
 using MegatronToHF = layout::MegatronToHF;
 
-template <optimizer_inverse Inverse, change_detector Detect, class Layout = MegatronToHF,
-          class Transport = LoopbackTwoRound>
-requires layout_mapping<Layout>
-class DeltaEngine {
- public:
-  using Sender = SenderRank<Inverse, Detect, Layout>;
-  using Plan = typename Sender::Plan;
+namespace detail {
 
-  DeltaEngine(const layout::HfModel& hf, const layout::TrainTopology& train,
-              const layout::SglangLayout& receivers, EngineConfig config, Transport& transport)
-      : hf_(&hf), recv_layout_(&receivers), config_(config), transport_(&transport) {
+// The publication schedule every engine shares: version numbers, publication every K steps,
+// and a full publication after a refused one. Derived provides scan(access, mode, report)
+// (throws, calling refused(), when a trainer rank refuses), deliver(kind, report, access) and
+// clear_masks().
+template <class Derived>
+class PublicationSchedule {
+ public:
+  explicit PublicationSchedule(EngineConfig config) : config_(config) {
     if (config.publish_every < 1) {
-      throw invalid_argument("DeltaEngine: publish_every must be >= 1 (got " +
+      throw invalid_argument("publish_every must be >= 1 (got " +
                              std::to_string(config.publish_every) + ")");
-    }
-    for (std::int64_t g = 0; g < train.world(); ++g) {
-      senders_.emplace_back(hf, train, receivers, g, config.publish_every > 1);
-    }
-    for (std::int64_t r = 0; r < receivers.topology().ranks(); ++r) {
-      receivers_.emplace_back(hf, receivers, r);
-      dense_bytes_ +=
-          2 * static_cast<std::uint64_t>(receivers.live_elements(r % receivers.topology().tp));
     }
   }
 
-  [[nodiscard]] const std::vector<Sender>& senders() const noexcept { return senders_; }
-  [[nodiscard]] const std::vector<Receiver>& receivers() const noexcept { return receivers_; }
   [[nodiscard]] Version version() const noexcept { return version_; }
   [[nodiscard]] std::int64_t pending_steps() const noexcept { return pending_; }
 
@@ -145,10 +134,10 @@ class DeltaEngine {
     SyncReport rep;
     rep.kind = "full";
     rep.version = 0;
-    scan(access, ScanMode::all, rep);
+    self().scan(access, ScanMode::all, rep);
     version_ = 0;
     needs_full_ = false;
-    deliver(MessageKind::full, rep, access);
+    self().deliver(MessageKind::full, rep, access);
     return rep;
   }
 
@@ -161,7 +150,7 @@ class DeltaEngine {
       return true;
     }
     SyncReport ignored;
-    scan(access, ScanMode::mark, ignored);  // OR this step's changes into the mask
+    self().scan(access, ScanMode::mark, ignored);  // OR this step's changes into the mask
     if (pending_ < config_.publish_every) return false;
     report = publish_now(access, ScanMode::mask);
     return true;
@@ -174,6 +163,72 @@ class DeltaEngine {
     report = publish_now(access, ScanMode::mask);
     return true;
   }
+
+ protected:
+  // A trainer rank refused: the changes of this step were not recorded, so the next
+  // publication sends everything.
+  void refused() noexcept { needs_full_ = true; }
+
+  EngineConfig config_;
+  Version version_ = no_version;
+
+ private:
+  Derived& self() noexcept { return static_cast<Derived&>(*this); }
+
+  template <class Access>
+  SyncReport publish_now(Access& access, ScanMode mode) {
+    SyncReport rep;
+    rep.version = version_ + 1;
+    rep.steps = pending_;
+    const bool full = needs_full_;
+    self().scan(access, full ? ScanMode::all : mode, rep);  // throws before anything is sent
+    version_ = rep.version;
+    pending_ = 0;
+    needs_full_ = false;
+    if (full) self().clear_masks();
+    const MessageKind kind = full               ? MessageKind::full
+                             : rep.changed == 0 ? MessageKind::noop
+                                                : MessageKind::delta;
+    rep.kind = full ? "full" : rep.changed == 0 ? "noop" : "delta";
+    self().deliver(kind, rep, access);
+    return rep;
+  }
+
+  std::int64_t pending_ = 0;
+  bool needs_full_ = false;
+};
+
+}  // namespace detail
+
+template <optimizer_inverse Inverse, change_detector Detect, class Layout = MegatronToHF,
+          class Transport = LoopbackTwoRound>
+requires layout_mapping<Layout>
+class DeltaEngine
+    : public detail::PublicationSchedule<DeltaEngine<Inverse, Detect, Layout, Transport>> {
+  using Schedule = detail::PublicationSchedule<DeltaEngine>;
+  friend Schedule;
+  using Schedule::config_;
+  using Schedule::version_;
+
+ public:
+  using Sender = SenderRank<Inverse, Detect, Layout>;
+  using Plan = typename Sender::Plan;
+
+  DeltaEngine(const layout::HfModel& hf, const layout::TrainTopology& train,
+              const layout::SglangLayout& receivers, EngineConfig config, Transport& transport)
+      : Schedule(config), hf_(&hf), recv_layout_(&receivers), transport_(&transport) {
+    for (std::int64_t g = 0; g < train.world(); ++g) {
+      senders_.emplace_back(hf, train, receivers, g, config.publish_every > 1);
+    }
+    for (std::int64_t r = 0; r < receivers.topology().ranks(); ++r) {
+      receivers_.emplace_back(hf, receivers, r);
+      dense_bytes_ +=
+          2 * static_cast<std::uint64_t>(receivers.live_elements(r % receivers.topology().tp));
+    }
+  }
+
+  [[nodiscard]] const std::vector<Sender>& senders() const noexcept { return senders_; }
+  [[nodiscard]] const std::vector<Receiver>& receivers() const noexcept { return receivers_; }
 
   // An explicit no-op version (a skipped step, lr = 0): every receiver moves to the next
   // version without a change, through the same version chain.
@@ -192,26 +247,9 @@ class DeltaEngine {
   Transport& transport() noexcept { return *transport_; }
 
  private:
-  template <class Access>
-  SyncReport publish_now(Access& access, ScanMode mode) {
-    SyncReport rep;
-    rep.version = version_ + 1;
-    rep.steps = pending_;
-    const bool full = needs_full_;
-    scan(access, full ? ScanMode::all : mode, rep);  // throws before anything is sent
-    version_ = rep.version;
-    pending_ = 0;
-    needs_full_ = false;
-    if (full) {
-      for (Sender& s : senders_)
-        s.clear_masks();
-    }
-    const MessageKind kind = full               ? MessageKind::full
-                             : rep.changed == 0 ? MessageKind::noop
-                                                : MessageKind::delta;
-    rep.kind = full ? "full" : rep.changed == 0 ? "noop" : "delta";
-    deliver(kind, rep, access);
-    return rep;
+  void clear_masks() {
+    for (Sender& s : senders_)
+      s.clear_masks();
   }
 
   // Every sender's fused pass (in parallel), then the trainer's digest per canonical tensor.
@@ -231,9 +269,8 @@ class DeltaEngine {
     }
     for (std::size_t r = 0; r < ranks; ++r) {
       if (!errors[r].empty()) {
-        // Refused before anything was sent: the receivers keep the version they hold. The
-        // changes of this step were not recorded, so the next publication sends everything.
-        needs_full_ = true;
+        // Refused before anything was sent: the receivers keep the version they hold.
+        this->refused();
         throw invalid_argument("publication refused on trainer rank " + std::to_string(r) + ": " +
                                errors[r]);
       }
@@ -364,15 +401,11 @@ class DeltaEngine {
 
   const layout::HfModel* hf_;
   const layout::SglangLayout* recv_layout_;
-  EngineConfig config_;
   Transport* transport_;
   std::vector<Sender> senders_;
   std::vector<Receiver> receivers_;
   std::vector<std::uint64_t> trainer_digest_;
   std::uint64_t dense_bytes_ = 0;
-  std::int64_t pending_ = 0;
-  bool needs_full_ = false;  // a refused scan lost track of changes: resend everything
-  Version version_ = no_version;
 };
 
 }  // namespace dte

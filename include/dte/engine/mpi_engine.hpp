@@ -28,16 +28,21 @@ namespace dte {
 
 template <optimizer_inverse Inverse, change_detector Detect, class Layout = MegatronToHF>
 requires layout_mapping<Layout>
-class MpiDeltaEngine {
+class MpiDeltaEngine : public detail::PublicationSchedule<MpiDeltaEngine<Inverse, Detect, Layout>> {
+  using Schedule = detail::PublicationSchedule<MpiDeltaEngine>;
+  friend Schedule;
+  using Schedule::config_;
+  using Schedule::version_;
+
  public:
   using Sender = SenderRank<Inverse, Detect, Layout>;
 
   MpiDeltaEngine(const layout::HfModel& hf, const layout::TrainTopology& train,
                  const layout::SglangLayout& receivers, EngineConfig config, MPI_Comm comm,
                  MpiTwoRoundConfig transport = {})
-      : hf_(&hf),
+      : Schedule(config),
+        hf_(&hf),
         recv_layout_(&receivers),
-        config_(config),
         comm_(comm),
         senders_(static_cast<int>(train.world())),
         receivers_(static_cast<int>(receivers.topology().ranks())),
@@ -53,9 +58,6 @@ class MpiDeltaEngine {
                              " receiver ranks; start it with mpirun -np " +
                              std::to_string(senders_ + receivers_));
     }
-    if (config.publish_every < 1) {
-      throw invalid_argument("MpiDeltaEngine: publish_every must be >= 1");
-    }
     if (is_sender()) {
       sender_.emplace(hf, train, receivers, rank_, config.publish_every > 1);
     } else {
@@ -69,42 +71,8 @@ class MpiDeltaEngine {
 
   [[nodiscard]] bool is_sender() const noexcept { return rank_ < senders_; }
   [[nodiscard]] int rank() const noexcept { return rank_; }
-  [[nodiscard]] Version version() const noexcept { return version_; }
   // The receiver this process is (receivers only).
   [[nodiscard]] const Receiver& receiver() const { return *receiver_; }
-
-  template <class Access>
-  SyncReport publish_full(Access&& access) {
-    SyncReport rep;
-    rep.kind = "full";
-    rep.version = 0;
-    scan(access, ScanMode::all, rep);
-    version_ = 0;
-    needs_full_ = false;
-    deliver(MessageKind::full, rep, access);
-    return rep;
-  }
-
-  template <class Access>
-  bool step(Access&& access, SyncReport& report) {
-    ++pending_;
-    if (config_.publish_every == 1) {
-      report = publish_now(access, ScanMode::detect);
-      return true;
-    }
-    SyncReport ignored;
-    scan(access, ScanMode::mark, ignored);
-    if (pending_ < config_.publish_every) return false;
-    report = publish_now(access, ScanMode::mask);
-    return true;
-  }
-
-  template <class Access>
-  bool flush(Access&& access, SyncReport& report) {
-    if (pending_ == 0) return false;
-    report = publish_now(access, ScanMode::mask);
-    return true;
-  }
 
   // For fault tests: hook(rank, version) runs on this process between round 1 and round 2 of
   // every publication's exchange.
@@ -113,23 +81,8 @@ class MpiDeltaEngine {
   }
 
  private:
-  template <class Access>
-  SyncReport publish_now(Access& access, ScanMode mode) {
-    SyncReport rep;
-    rep.version = version_ + 1;
-    rep.steps = pending_;
-    const bool full = needs_full_;
-    scan(access, full ? ScanMode::all : mode, rep);
-    version_ = rep.version;
-    pending_ = 0;
-    needs_full_ = false;
-    if (full && sender_) sender_->clear_masks();
-    const MessageKind kind = full               ? MessageKind::full
-                             : rep.changed == 0 ? MessageKind::noop
-                                                : MessageKind::delta;
-    rep.kind = full ? "full" : rep.changed == 0 ? "noop" : "delta";
-    deliver(kind, rep, access);
-    return rep;
+  void clear_masks() {
+    if (sender_) sender_->clear_masks();
   }
 
   // Waits for one non-blocking collective with the deadline.
@@ -215,7 +168,7 @@ class MpiDeltaEngine {
     std::vector<std::uint64_t> refused{error.empty() ? 0u : 1u};
     sum(refused, "the agreement after the detect pass");
     if (refused[0] != 0) {
-      needs_full_ = true;
+      this->refused();
       throw invalid_argument(
           error.empty()
               ? "publication refused by a trainer rank (" + std::to_string(refused[0]) + " refused)"
@@ -324,7 +277,6 @@ class MpiDeltaEngine {
 
   const layout::HfModel* hf_;
   const layout::SglangLayout* recv_layout_;
-  EngineConfig config_;
   MPI_Comm comm_;
   int senders_, receivers_;
   MpiTwoRound transport_;
@@ -334,9 +286,6 @@ class MpiDeltaEngine {
   std::optional<Receiver> receiver_;
   std::vector<std::uint64_t> trainer_digest_;
   std::uint64_t dense_bytes_ = 0;
-  std::int64_t pending_ = 0;
-  bool needs_full_ = false;
-  Version version_ = no_version;
   std::function<void(int, Version)> hook_;
 };
 
