@@ -85,16 +85,9 @@ class MpiDeltaEngine : public detail::PublicationSchedule<MpiDeltaEngine<Inverse
     if (sender_) sender_->clear_masks();
   }
 
-  // Waits for one non-blocking collective with the deadline.
-  void wait(MPI_Request& req, const char* phase) {
-    const auto until = std::chrono::steady_clock::now() + deadline_;
-    for (;;) {
-      int done = 0;
-      DTE_MPI_TRY(MPI_Test(&req, &done, MPI_STATUS_IGNORE));
-      if (done) return;
-      if (std::chrono::steady_clock::now() >= until) break;
-      std::this_thread::sleep_for(std::chrono::microseconds(200));
-    }
+  // Waits for non-blocking collectives with the deadline.
+  void wait(std::vector<MPI_Request>& reqs, const char* phase) {
+    if (detail::mpi_wait_until(reqs, deadline_)) return;
     throw deadline_error("MpiDeltaEngine: rank " + std::to_string(rank_) + " waited " +
                          std::to_string(deadline_.count()) + " ms in " + phase +
                          " for a rank that is stalled or dead; this version is not committed");
@@ -121,21 +114,8 @@ class MpiDeltaEngine : public detail::PublicationSchedule<MpiDeltaEngine<Inverse
       peer.push_back(-1);  // our own send: not a peer we wait for
       DTE_MPI_TRY(MPI_Isend(&token, 1, MPI_UNSIGNED_CHAR, r, tag, comm_, &reqs.back()));
     }
-    const auto until = std::chrono::steady_clock::now() + deadline_;
-    for (;;) {
-      int done = 0;
-      DTE_MPI_TRY(
-          MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE));
-      if (done) return;
-      if (std::chrono::steady_clock::now() >= until) break;
-      std::this_thread::sleep_for(std::chrono::microseconds(200));
-    }
-    std::string who;
-    for (std::size_t i = 0; i < reqs.size(); ++i) {
-      int flag = 0;
-      MPI_Test(&reqs[i], &flag, MPI_STATUS_IGNORE);
-      if (!flag && peer[i] >= 0) who += (who.empty() ? "" : ", ") + std::to_string(peer[i]);
-    }
+    if (detail::mpi_wait_until(reqs, deadline_)) return;
+    const std::string who = detail::mpi_pending_peers(reqs, peer);
     throw deadline_error("MpiDeltaEngine: rank " + std::to_string(rank_) + " waited " +
                          std::to_string(deadline_.count()) + " ms before " + phase +
                          " for rank(s) " + who +
@@ -145,9 +125,9 @@ class MpiDeltaEngine : public detail::PublicationSchedule<MpiDeltaEngine<Inverse
 
   void sum(std::vector<std::uint64_t>& v, const char* phase) {
     checkpoint(phase);
-    MPI_Request req = MPI_REQUEST_NULL;
+    std::vector<MPI_Request> req(1, MPI_REQUEST_NULL);
     DTE_MPI_TRY(MPI_Iallreduce(MPI_IN_PLACE, v.data(), static_cast<int>(v.size()), MPI_UINT64_T,
-                               MPI_SUM, comm_, &req));
+                               MPI_SUM, comm_, req.data()));
     wait(req, phase);
   }
 

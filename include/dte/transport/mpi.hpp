@@ -42,6 +42,42 @@ class deadline_error : public error {
     }                                                                                         \
   } while (false)
 
+namespace detail {
+
+// Progress loop over non-blocking operations: tests until every request completed (true) or
+// the deadline passed (false).
+inline bool mpi_wait_until(std::vector<MPI_Request>& reqs, std::chrono::milliseconds deadline) {
+  const auto until = std::chrono::steady_clock::now() + deadline;
+  for (;;) {
+    int done = 0;
+    DTE_MPI_TRY(
+        MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE));
+    if (done) return true;
+    if (std::chrono::steady_clock::now() >= until) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+}
+
+// The peers (peer[i] for request i; negative: none) whose requests are still pending, "1, 4".
+inline std::string mpi_pending_peers(std::vector<MPI_Request>& reqs, const std::vector<int>& peer) {
+  std::vector<int> pending;
+  for (std::size_t i = 0; i < reqs.size(); ++i) {
+    int flag = 0;
+    MPI_Test(&reqs[i], &flag, MPI_STATUS_IGNORE);
+    if (!flag && peer[i] >= 0 &&
+        std::find(pending.begin(), pending.end(), peer[i]) == pending.end()) {
+      pending.push_back(peer[i]);
+    }
+  }
+  std::sort(pending.begin(), pending.end());
+  std::string who;
+  for (int p : pending)
+    who += (who.empty() ? "" : ", ") + std::to_string(p);
+  return who;
+}
+
+}  // namespace detail
+
 struct MpiTwoRoundConfig {
   std::chrono::milliseconds deadline{30'000};      // per round
   std::size_t max_message = std::size_t{1} << 30;  // bytes per MPI message (< INT_MAX)
@@ -163,31 +199,11 @@ class MpiTwoRound {
     }
   }
 
-  // Progress loop: test until every request completes or the deadline passes.
   void wait_all(std::vector<MPI_Request>& reqs, const std::vector<int>& peer, const char* phase) {
-    const auto until = std::chrono::steady_clock::now() + cfg_.deadline;
-    for (;;) {
-      int done = 0;
-      DTE_MPI_TRY(
-          MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE));
-      if (done) return;
-      if (std::chrono::steady_clock::now() >= until) break;
-      std::this_thread::sleep_for(std::chrono::microseconds(200));
-    }
-    std::vector<int> pending;
-    for (std::size_t i = 0; i < reqs.size(); ++i) {
-      int flag = 0;
-      MPI_Test(&reqs[i], &flag, MPI_STATUS_IGNORE);
-      if (!flag && std::find(pending.begin(), pending.end(), peer[i]) == pending.end()) {
-        pending.push_back(peer[i]);
-      }
-    }
-    std::string who;
-    for (int p : pending)
-      who += (who.empty() ? "" : ", ") + std::to_string(p);
+    if (detail::mpi_wait_until(reqs, cfg_.deadline)) return;
     throw deadline_error("MpiTwoRound: rank " + std::to_string(rank_) + " waited " +
                          std::to_string(cfg_.deadline.count()) + " ms in " + phase +
-                         " for rank(s) " + who +
+                         " for rank(s) " + detail::mpi_pending_peers(reqs, peer) +
                          " (stalled or dead); this version is not committed");
   }
 
