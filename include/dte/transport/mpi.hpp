@@ -25,9 +25,13 @@
 
 namespace dte {
 
+// A peer did not answer within the deadline. (An explicit constructor rather than `using
+// error::error`: nvcc 13 crashes on inherited constructors with a source_location default.)
 class deadline_error : public error {
  public:
-  using error::error;
+  explicit deadline_error(const std::string& message,
+                          std::source_location where = std::source_location::current())
+      : error(message, where) {}
 };
 
 #define DTE_MPI_TRY(expr)                                                                     \
@@ -84,12 +88,25 @@ struct MpiTwoRoundConfig {
   int tag = 0x6474;                                // "dt"; round 2 uses tag + 1
 };
 
-class MpiTwoRound {
+// Where received messages live. HostMemory: ordinary host vectors (the host Receiver reads them
+// in place). A CUDA-aware MPI can receive straight into device memory instead:
+// dte/transport/mpi_cuda.cuh provides CudaDeviceMemory and CudaAwareMpiTwoRound. Payload spans
+// handed to a sender may then point to device memory as well.
+struct HostMemory {
+  using buffer = Bytes;
+  static buffer allocate(std::size_t bytes) { return Bytes(bytes); }
+  static std::byte* data(buffer& b) noexcept { return b.data(); }
+};
+
+template <class Memory = HostMemory>
+class BasicMpiTwoRound {
  public:
   using transport_tag = void;
+  using memory = Memory;
+  using inbox_type = std::vector<std::pair<std::int64_t, typename Memory::buffer>>;
 
   // Ranks [0, senders) of `comm` send; ranks [senders, senders + receivers) receive.
-  MpiTwoRound(MPI_Comm comm, int senders, int receivers, MpiTwoRoundConfig cfg = {})
+  BasicMpiTwoRound(MPI_Comm comm, int senders, int receivers, MpiTwoRoundConfig cfg = {})
       : comm_(comm), senders_(senders), receivers_(receivers), cfg_(cfg) {
     DTE_MPI_TRY(MPI_Comm_rank(comm, &rank_));
     int size = 0;
@@ -116,7 +133,7 @@ class MpiTwoRound {
 
   // A sender passes one payload per receiver (empty: nothing for it) and gets an empty inbox;
   // a receiver passes nothing and gets (sender, bytes) for every sender with a non-empty payload.
-  Inbox exchange(const std::vector<Payload>& to_receivers) {
+  inbox_type exchange(const std::vector<Payload>& to_receivers) {
     if (is_sender() && static_cast<int>(to_receivers.size()) != receivers_) {
       throw invalid_argument("MpiTwoRound: a sender must address all " +
                              std::to_string(receivers_) + " receivers");
@@ -151,33 +168,21 @@ class MpiTwoRound {
     }
 
     // Round 2: payloads, chunked; the schedule follows from the counts on both sides.
-    Inbox inbox;
+    inbox_type inbox;
     reqs.clear();
     peer.clear();
-    std::vector<Bytes> flat;  // senders: a contiguous copy only when a payload has several spans
     if (is_sender()) {
-      flat.resize(static_cast<std::size_t>(receivers_));
       for (int d = 0; d < receivers_; ++d) {
-        const Payload& p = to_receivers[static_cast<std::size_t>(d)];
-        const std::byte* data = nullptr;
-        if (p.size() == 1) {
-          data = p[0].data();
-        } else if (p.size() > 1) {
-          Bytes& f = flat[static_cast<std::size_t>(d)];
-          for (const auto& part : p)
-            f.insert(f.end(), part.begin(), part.end());
-          data = f.data();
-        }
-        post_chunks(const_cast<std::byte*>(data), counts[static_cast<std::size_t>(d)], senders_ + d,
-                    /*send=*/true, reqs, peer);
+        post_sends(to_receivers[static_cast<std::size_t>(d)], senders_ + d, reqs, peer);
       }
     } else if (is_receiver()) {
       inbox.reserve(static_cast<std::size_t>(senders_));
       for (int s = 0; s < senders_; ++s) {
         if (counts[static_cast<std::size_t>(s)] == 0) continue;
-        inbox.emplace_back(s, Bytes(static_cast<std::size_t>(counts[static_cast<std::size_t>(s)])));
-        post_chunks(inbox.back().second.data(), counts[static_cast<std::size_t>(s)], s,
-                    /*send=*/false, reqs, peer);
+        inbox.emplace_back(
+            s, Memory::allocate(static_cast<std::size_t>(counts[static_cast<std::size_t>(s)])));
+        post_receives(Memory::data(inbox.back().second), counts[static_cast<std::size_t>(s)], s,
+                      reqs, peer);
       }
     }
     wait_all(reqs, peer, "round 2 (payloads)");
@@ -185,17 +190,52 @@ class MpiTwoRound {
   }
 
  private:
-  void post_chunks(std::byte* data, std::uint64_t bytes, int other, bool send,
-                   std::vector<MPI_Request>& reqs, std::vector<int>& peer) {
+  // The payload as messages of max_message bytes (the receiver's schedule). A message that
+  // covers several spans is sent as one MPI message through an hindexed datatype over the spans
+  // (no copy into a contiguous buffer: the sender holds its payload once).
+  void post_sends(const Payload& p, int other, std::vector<MPI_Request>& reqs,
+                  std::vector<int>& peer) {
+    const std::uint64_t total = payload_size(p);
+    std::size_t span = 0, in_span = 0;
+    for (std::uint64_t at = 0; at < total; at += cfg_.max_message) {
+      std::uint64_t left = std::min<std::uint64_t>(cfg_.max_message, total - at);
+      std::vector<int> lengths;
+      std::vector<MPI_Aint> places;
+      const std::byte* first = p.empty() ? nullptr : p[span].data() + in_span;
+      while (left > 0) {
+        const std::size_t n =
+            static_cast<std::size_t>(std::min<std::uint64_t>(left, p[span].size() - in_span));
+        MPI_Aint address = 0;
+        DTE_MPI_TRY(MPI_Get_address(p[span].data() + in_span, &address));
+        lengths.push_back(static_cast<int>(n));
+        places.push_back(address);
+        left -= n;
+        in_span += n;
+        if (in_span == p[span].size()) ++span, in_span = 0;
+      }
+      reqs.push_back(MPI_REQUEST_NULL);
+      peer.push_back(other);
+      if (lengths.size() == 1) {
+        DTE_MPI_TRY(
+            MPI_Isend(first, lengths[0], MPI_BYTE, other, cfg_.tag + 1, comm_, &reqs.back()));
+      } else {
+        MPI_Datatype spans = MPI_DATATYPE_NULL;
+        DTE_MPI_TRY(MPI_Type_create_hindexed(static_cast<int>(lengths.size()), lengths.data(),
+                                             places.data(), MPI_BYTE, &spans));
+        DTE_MPI_TRY(MPI_Type_commit(&spans));
+        DTE_MPI_TRY(MPI_Isend(MPI_BOTTOM, 1, spans, other, cfg_.tag + 1, comm_, &reqs.back()));
+        DTE_MPI_TRY(MPI_Type_free(&spans));  // freed once the send no longer needs it
+      }
+    }
+  }
+
+  void post_receives(std::byte* data, std::uint64_t bytes, int other,
+                     std::vector<MPI_Request>& reqs, std::vector<int>& peer) {
     for (std::uint64_t at = 0; at < bytes; at += cfg_.max_message) {
       const int n = static_cast<int>(std::min<std::uint64_t>(cfg_.max_message, bytes - at));
       reqs.push_back(MPI_REQUEST_NULL);
       peer.push_back(other);
-      if (send) {
-        DTE_MPI_TRY(MPI_Isend(data + at, n, MPI_BYTE, other, cfg_.tag + 1, comm_, &reqs.back()));
-      } else {
-        DTE_MPI_TRY(MPI_Irecv(data + at, n, MPI_BYTE, other, cfg_.tag + 1, comm_, &reqs.back()));
-      }
+      DTE_MPI_TRY(MPI_Irecv(data + at, n, MPI_BYTE, other, cfg_.tag + 1, comm_, &reqs.back()));
     }
   }
 
@@ -213,5 +253,7 @@ class MpiTwoRound {
   int rank_ = 0;
   std::function<void()> between_rounds_;
 };
+
+using MpiTwoRound = BasicMpiTwoRound<HostMemory>;
 
 }  // namespace dte
