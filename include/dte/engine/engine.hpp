@@ -111,6 +111,27 @@ using MegatronToHF = layout::MegatronToHF;
 
 namespace detail {
 
+// The verification verdict: canonical tensor t disagrees when, in some replica, the sum of the
+// receivers' digests (replica_sums[replica * tensors + t]) differs from the trainer's digest
+// times the copies of t a replica holds.
+inline std::vector<bool> mismatched_tensors(const layout::HfModel& hf,
+                                            const layout::SglangLayout& receivers,
+                                            const std::vector<std::uint64_t>& trainer,
+                                            const std::uint64_t* replica_sums) {
+  const std::size_t tensors = trainer.size();
+  std::vector<bool> bad(tensors, false);
+  for (std::int64_t replica = 0; replica < receivers.topology().replicas; ++replica) {
+    for (std::size_t t = 0; t < tensors; ++t) {
+      const auto copies =
+          static_cast<std::uint64_t>(receivers.copies(hf[static_cast<std::int64_t>(t)].kind));
+      if (replica_sums[static_cast<std::size_t>(replica) * tensors + t] != copies * trainer[t]) {
+        bad[t] = true;
+      }
+    }
+  }
+  return bad;
+}
+
 // The publication schedule every engine shares: version numbers, publication every K steps,
 // and a full publication after a refused one. Derived provides scan(access, mode, report)
 // (throws, calling refused(), when a trainer rank refuses), deliver(kind, report, access) and
@@ -384,19 +405,14 @@ class DeltaEngine
 
   [[nodiscard]] std::vector<bool> mismatched_tensors() const {
     const auto& it = recv_layout_->topology();
-    std::vector<bool> bad(trainer_digest_.size(), false);
-    for (std::int64_t replica = 0; replica < it.replicas; ++replica) {
-      for (std::size_t t = 0; t < trainer_digest_.size(); ++t) {
-        std::uint64_t sum = 0;
-        for (std::int64_t ts = 0; ts < it.tp; ++ts) {
-          sum += receivers_[static_cast<std::size_t>(replica * it.tp + ts)].digest()[t];
-        }
-        const auto copies = static_cast<std::uint64_t>(
-            recv_layout_->copies((*hf_)[static_cast<std::int64_t>(t)].kind));
-        if (sum != copies * trainer_digest_[t]) bad[t] = true;
-      }
+    const std::size_t tensors = trainer_digest_.size();
+    std::vector<std::uint64_t> sums(static_cast<std::size_t>(it.replicas) * tensors, 0);
+    for (const Receiver& r : receivers_) {
+      const auto replica = static_cast<std::size_t>(r.rank() / it.tp);
+      for (std::size_t t = 0; t < tensors; ++t)
+        sums[replica * tensors + t] += r.digest()[t];
     }
-    return bad;
+    return detail::mismatched_tensors(*hf_, *recv_layout_, trainer_digest_, sums.data());
   }
 
   const layout::HfModel* hf_;

@@ -220,14 +220,7 @@ class MpiDeltaEngine : public detail::PublicationSchedule<MpiDeltaEngine<Inverse
             receiver_->version() == version_ ? 0 : 1;
       }
       sum(v, "the digest verification");
-      bad.assign(tensors, false);
-      for (std::size_t replica = 0; replica < static_cast<std::size_t>(it.replicas); ++replica) {
-        for (std::size_t t = 0; t < tensors; ++t) {
-          const auto copies = static_cast<std::uint64_t>(
-              recv_layout_->copies((*hf_)[static_cast<std::int64_t>(t)].kind));
-          if (v[replica * tensors + t] != copies * trainer_digest_[t]) bad[t] = true;
-        }
-      }
+      bad = detail::mismatched_tensors(*hf_, *recv_layout_, trainer_digest_, v.data());
       resync.assign(static_cast<std::size_t>(receivers_), false);
       for (std::size_t d = 0; d < resync.size(); ++d) {
         resync[d] = v[static_cast<std::size_t>(it.replicas) * tensors + d] != 0;
