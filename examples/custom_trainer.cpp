@@ -52,9 +52,13 @@ struct MyAccess {
       return std::span<const float>(a).subspan(static_cast<std::size_t>(s.shard_begin),
                                                static_cast<std::size_t>(s.length));
     };
-    return dte::AdamWInverse::bind(
-        {.lr = t->lr, .weight_decay = x.cols == 0 ? 0.0 : t->weight_decay, .step = t->steps},
-        part(t->theta), {part(t->m), part(t->v)}, t->model->name(s.param));
+    // decay_form: step() multiplies by 1 - lr*wd (torch's order), so a -0 weight stays -0.
+    return dte::AdamWInverse::bind({.lr = t->lr,
+                                    .weight_decay = x.cols == 0 ? 0.0 : t->weight_decay,
+                                    .step = t->steps,
+                                    .decay_form = dte::DecayForm::multiply},
+                                   part(t->theta), {part(t->m), part(t->v)},
+                                   t->model->name(s.param));
   }
 };
 

@@ -32,8 +32,14 @@ int main() {
     }
     // dte: which BF16 values changed in this step?
     const auto k = dte::AdamWInverse::bind(
-        {.lr = lr, .weight_decay = wd, .beta1 = b1, .beta2 = b2, .eps = eps, .step = step}, theta,
-        {m, v}, "example.weight");
+        {.lr = lr,
+         .weight_decay = wd,
+         .beta1 = b1,
+         .beta2 = b2,
+         .eps = eps,
+         .step = step,
+         .decay_form = dte::DecayForm::multiply},  // theta *= 1 - lr*wd above
+        theta, {m, v}, "example.weight");
     std::size_t changed = 0;
     for (std::size_t i = 0; i < k.size(); ++i)
       changed += dte::BF16Detect::changed(k.current(i), k(i));

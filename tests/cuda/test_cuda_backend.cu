@@ -240,6 +240,9 @@ void check_same_counts(const dte::AuditCounts& host, const dte::AuditCounts& dev
   CHECK(device.missed == host.missed);
   CHECK(device.guard_extra == host.guard_extra);
   CHECK(device.first_missed == host.first_missed);
+  CHECK(device.bound_violations == host.bound_violations);
+  CHECK(device.first_violation == host.first_violation);
+  CHECK(device.worst_bound_ratio == host.worst_bound_ratio);
 }
 
 template <class Detect, class Kernel>

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -54,14 +55,41 @@ TEST_CASE("Adam inverses: zero weights with zero moments") {
   std::vector<float> theta{0.0f, 0.0f, -0.0f, 0.0f};
   std::vector<float> m{0.0f, -0.0f, 0.0f, 1e-3f};
   std::vector<float> v{0.0f, 0.0f, 0.0f, 1e-6f};
-  const auto k =
-      dte::AdamWInverse::bind({.lr = 1e-5, .weight_decay = 0.1, .step = 1}, theta, {m, v});
-  CHECK(dte::BF16Detect::classify(k.current(0), k(0)) == Verdict::unchanged);
-  // m = -0: theta_prev may have been -0, flipped by x - (-0); must be flagged.
-  CHECK(dte::BF16Detect::classify(k.current(1), k(1)) == Verdict::guard);
-  CHECK(dte::BF16Detect::classify(k.current(2), k(2)) == Verdict::unchanged);
-  // A real update on a zero weight: previous was 1e-5-ish, clearly changed.
-  CHECK(dte::BF16Detect::classify(k.current(3), k(3)) == Verdict::changed);
+  dte::AdamHyperparameters h{.lr = 1e-5, .weight_decay = 0.1, .step = 1};
+  SUBCASE("a multiplying decay (torch on the CPU, TE/Apex) keeps the sign of a zero") {
+    h.decay_form = dte::DecayForm::multiply;
+    const auto k = dte::AdamWInverse::bind(h, theta, {m, v});
+    CHECK(dte::BF16Detect::classify(k.current(0), k(0)) == Verdict::unchanged);
+    // m = -0: theta_prev may have been -0, flipped by x - (-0); must be flagged.
+    CHECK(dte::BF16Detect::classify(k.current(1), k(1)) == Verdict::guard);
+    CHECK(dte::BF16Detect::classify(k.current(2), k(2)) == Verdict::unchanged);
+    // A real update on a zero weight: previous was 1e-5-ish, clearly changed.
+    CHECK(dte::BF16Detect::classify(k.current(3), k(3)) == Verdict::changed);
+  }
+  SUBCASE("unknown or subtracting decay: -0 - lr*wd*(-0) = +0, so a +0 may have been -0") {
+    for (const auto form : {dte::DecayForm::unknown, dte::DecayForm::subtract}) {
+      h.decay_form = form;
+      const auto k = dte::AdamWInverse::bind(h, theta, {m, v});
+      CHECK(dte::BF16Detect::classify(k.current(0), k(0)) == Verdict::guard);
+      CHECK(dte::BF16Detect::classify(k.current(1), k(1)) == Verdict::guard);
+      // -0 can only have come from -0 (nothing turns +0 into -0).
+      CHECK(dte::BF16Detect::classify(k.current(2), k(2)) == Verdict::unchanged);
+    }
+  }
+  SUBCASE("Adam with L2 decay has no decay step: the sign of a zero is kept") {
+    const auto k = dte::AdamInverse::bind(h, theta, {m, v});
+    CHECK(dte::BF16Detect::classify(k.current(0), k(0)) == Verdict::unchanged);
+    CHECK(dte::BF16Detect::classify(k.current(1), k(1)) == Verdict::guard);
+  }
+  SUBCASE("lr*wd close to 1: the decay may have rounded a nonzero theta_prev to zero") {
+    h.lr = 0.5;
+    h.weight_decay = 1.9;  // c = 0.05: theta_prev up to ~2^-150 * 1.5 / 0.05 rounds to zero
+    h.decay_form = dte::DecayForm::multiply;
+    const auto k = dte::AdamWInverse::bind(h, theta, {m, v});
+    CHECK(k(0).error >= 30 * dte::bits_float(1u));
+    CHECK_FALSE(k(0).sign_exact);
+    CHECK(dte::BF16Detect::classify(k.current(0), k(0)) == Verdict::guard);
+  }
 }
 
 namespace {
@@ -126,8 +154,9 @@ TEST_CASE("lr = 0: the reconstruction is exact, except for the sign of a zero") 
   std::vector<float> theta{0.5f, 0.0f, 0.0f, -0.0f};
   std::vector<float> m{1e-3f, 1e-3f, -1e-3f, 1e-3f};
   std::vector<float> v{1e-6f, 1e-6f, 1e-6f, 1e-6f};
-  const auto k =
-      dte::AdamWInverse::bind({.lr = 0.0, .weight_decay = 0.1, .step = 7}, theta, {m, v});
+  dte::AdamHyperparameters h{.lr = 0.0, .weight_decay = 0.1, .step = 7};
+  h.decay_form = dte::DecayForm::multiply;
+  const auto k = dte::AdamWInverse::bind(h, theta, {m, v});
   CHECK(k(0).error == 0.0f);
   CHECK(dte::BF16Detect::classify(k.current(0), k(0)) == Verdict::unchanged);
   // +0 with a positive m: x - (+0) keeps the sign, so theta_prev was +0.
@@ -135,4 +164,43 @@ TEST_CASE("lr = 0: the reconstruction is exact, except for the sign of a zero") 
   // +0 with a negative m: theta_prev may have been -0 (-0 - (-0) = +0): flagged.
   CHECK(dte::BF16Detect::classify(k.current(2), k(2)) == Verdict::guard);
   CHECK(dte::BF16Detect::classify(k.current(3), k(3)) == Verdict::unchanged);
+  // torch's fused CUDA kernel still runs theta -= (0*wd)*theta, and -0 - (-0) = +0.
+  h.decay_form = dte::DecayForm::unknown;
+  const auto any = dte::AdamWInverse::bind(h, theta, {m, v});
+  CHECK(any(0).error == 0.0f);
+  CHECK(dte::BF16Detect::classify(any.current(1), any(1)) == Verdict::guard);
+  CHECK(dte::BF16Detect::classify(any.current(3), any(3)) == Verdict::unchanged);
+}
+
+// The guard band compares value - lo and hi - value with the error. For every rounding interval
+// of both formats that does not touch zero or infinity, those differences are exact in FP32:
+// every float in [lo, hi] is a multiple of the spacing at the smaller end, and hi - lo is less
+// than 2^24 such spacings. (The zero and Inf intervals of FP16 are wider than that; there the
+// comparison can round, by at most 2^-24 relatively, which the error bounds' margin covers:
+// test_bound_property asserts error >= (1 + 2^-22) |theta_prev - value|.)
+TEST_CASE_TEMPLATE("interval differences are exact away from zero and infinity", D, dte::BF16Detect,
+                   dte::FP16Detect) {
+  using F = typename D::format;
+  int checked = 0, wide = 0;
+  for (std::uint32_t b = 0; b <= 0xFFFFu; ++b) {
+    const auto bits16 = static_cast<std::uint16_t>(b);
+    const float x = F::widen(bits16);
+    if (!std::isfinite(x)) continue;
+    const dte::RoundingInterval iv = F::interval(bits16);
+    const float lo = std::fabs(iv.lo) < std::fabs(iv.hi) ? iv.lo : iv.hi;
+    const float hi = lo == iv.lo ? iv.hi : iv.lo;
+    if (x == 0.0f || !std::isfinite(iv.lo) || !std::isfinite(iv.hi) ||
+        std::fabs(iv.hi) >= std::numeric_limits<float>::max()) {
+      ++wide;
+      continue;
+    }
+    const float small = std::fabs(lo);
+    const double spacing =
+        static_cast<double>(std::nextafter(small, std::numeric_limits<float>::infinity())) - small;
+    CAPTURE(b);
+    CHECK(std::fabs(static_cast<double>(hi) - lo) < 0x1p24 * spacing);
+    ++checked;
+  }
+  CHECK(checked > 60000);
+  CHECK(wide < 2100);
 }

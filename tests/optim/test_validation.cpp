@@ -76,6 +76,29 @@ TEST_CASE("negative eps is refused") {
   CHECK_THROWS_WITH_AS(f.bind(), Contains("eps must be finite and >= 0"), dte::invalid_argument);
 }
 
+TEST_CASE("lr and eps below FP32's normal range are refused, zero is not") {
+  AdamFixture f;
+  f.h.lr = 1e-40;
+  CHECK_THROWS_WITH_AS(f.bind(),
+                       Contains("lr for tensor 'layers.0.mlp.weight' is 1e-40, below FP32's "
+                                "normal range"),
+                       dte::invalid_argument);
+  f.h.lr = 1e-5;
+  f.h.eps = 1e-39;
+  CHECK_THROWS_WITH_AS(f.bind(), Contains("eps for tensor 'layers.0.mlp.weight' is 1e-39"),
+                       dte::invalid_argument);
+  CHECK_THROWS_WITH_AS(f.bind(), Contains("pass 0 or a value of at least 1.17549435e-38"),
+                       dte::invalid_argument);
+  f.h.eps = 0.0;
+  CHECK_NOTHROW(f.bind());
+  f.h.lr = 0.0;
+  CHECK_NOTHROW(f.bind());
+  std::vector<float> theta(4, 0.5f), buf(4, 1e-3f);
+  CHECK_THROWS_WITH_AS(dte::SgdMomentumInverse::bind({.lr = 1e-41, .momentum = 0.9}, theta, {buf}),
+                       Contains("lr for the shard is 1e-41, below FP32's normal range"),
+                       dte::invalid_argument);
+}
+
 TEST_CASE("negative weight decay and betas outside [0, 1) are refused") {
   AdamFixture f;
   f.h.weight_decay = -0.1;

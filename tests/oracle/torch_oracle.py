@@ -29,7 +29,8 @@ import sys
 
 import torch
 
-# name: (optimizer, constructor kwargs, lr schedule kind)
+# name: (optimizer, constructor kwargs, lr schedule kind[, data]); data is "natural" (the
+# default: weight-like values, heavy-tailed gradients) or "dead" (dead units, see dead_units()).
 SETTINGS = {
     # AdamW over the issue's grid: lr 1e-6..1e-4, weight decay 0..0.1, eps 1e-8 and 1e-6.
     "adamw_lr1e-6_wd0_eps1e-8": ("adamw", dict(lr=1e-6, weight_decay=0.0, eps=1e-8), "constant"),
@@ -46,6 +47,15 @@ SETTINGS = {
     "sgd_momentum_lr1e-3_damp0.1_wd1e-4": (
         "sgd", dict(lr=1e-3, momentum=0.9, dampening=0.1, weight_decay=1e-4), "constant"),
     "sgd_momentum_lr1e-2": ("sgd", dict(lr=1e-2, momentum=0.9), "constant"),
+    # Dead units: weights 1e-37..1e-30 whose gradients (1e-40..1e-36) underflow exp_avg_sq to 0,
+    # so the denominator is eps and torch's step_size * exp_avg underflows before the division.
+    "adamw_dead_units_lr1e-6_wd0.1": (
+        "adamw", dict(lr=1e-6, weight_decay=0.1, eps=1e-8), "constant", "dead"),
+    "adamw_dead_units_warmup_cosine_foreach": (
+        "adamw", dict(lr=1e-4, weight_decay=0.1, eps=1e-8, foreach=True), "warmup_cosine", "dead"),
+    "adam_l2_dead_units_lr1e-5": (
+        "adam", dict(lr=1e-5, weight_decay=0.01, eps=1e-8), "constant", "dead"),
+    "sgd_dead_units_lr1e-2": ("sgd", dict(lr=1e-2, momentum=0.9), "constant", "dead"),
 }
 
 
@@ -59,6 +69,25 @@ def weight_like(n, gen):
     w = torch.where((kind >= 0.90) & (kind < 0.95), 1e-30 * z, w)  # tiny magnitudes
     w = torch.where(kind >= 0.95, 0.2 * z, w)  # embeddings / outliers
     return w.float()
+
+
+def dead_units(n, gen):
+    """40% weight-like values, 50% dead units (|w| log-uniform over 1e-37..1e-30, gradient scale
+    log-uniform over 1e-40..1e-36) and 10% zero weights of either sign that never get a gradient.
+    Returns (weights, per-element gradient scale, never-updated mask)."""
+    kind = torch.rand(n, generator=gen)
+    sign = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0).double()
+    natural = weight_like(n, gen)
+    tiny = sign * torch.pow(10.0, -37.0 + 7.0 * torch.rand(n, generator=gen, dtype=torch.float64))
+    dead_scale = torch.pow(10.0, -40.0 + 4.0 * torch.rand(n, generator=gen, dtype=torch.float64))
+    scale, never = gradient_scales(n, gen)
+    is_dead = (kind >= 0.40) & (kind < 0.90)
+    is_zero = kind >= 0.90
+    w = torch.where(is_dead, tiny.float(), natural)
+    w = torch.where(is_zero, (sign * 0.0).float(), w)  # +0 and -0
+    scale = torch.where(is_dead, dead_scale.float(), scale)
+    never = never | is_zero
+    return w, scale, never
 
 
 def gradient_scales(n, gen):
@@ -107,10 +136,15 @@ def write_safetensors(path, tensors, metadata):
 
 
 def run(name, elements, steps, seed):
-    kind, kwargs, schedule = SETTINGS[name]
+    kind, kwargs, schedule, *rest = SETTINGS[name]
+    data = rest[0] if rest else "natural"
     gen = torch.Generator().manual_seed(seed)
-    param = torch.nn.Parameter(weight_like(elements, gen))
-    scale, dead = gradient_scales(elements, gen)
+    if data == "dead":
+        w, scale, dead = dead_units(elements, gen)
+    else:
+        w = weight_like(elements, gen)
+        scale, dead = gradient_scales(elements, gen)
+    param = torch.nn.Parameter(w)
     kwargs = dict(kwargs)
     base_lr = kwargs["lr"]
     if kind == "adamw":
@@ -121,13 +155,19 @@ def run(name, elements, steps, seed):
         opt = torch.optim.SGD([param], **kwargs)
     bias_correction = True
     tensors = [("theta.0", param.detach().clone())]
-    meta = {"optimizer": kind, "steps": steps, "bias_correction": str(bias_correction).lower()}
+    meta = {"optimizer": kind, "steps": steps, "bias_correction": str(bias_correction).lower(),
+            "data": data}
+    if kind == "adamw":
+        # torch's CPU kernels (single-tensor, foreach, fused) multiply by 1 - lr*wd.
+        meta["decay_form"] = "multiply"
     group = opt.param_groups[0]
     for s in range(1, steps + 1):
         lr = lr_at(schedule, base_lr, s, steps)
         group["lr"] = lr
         # Heavy tails plus a step-dependent global scale, as gradient norms drift in training.
-        g = heavy_tailed(elements, gen) * scale * (0.5 + torch.rand(1, generator=gen).item())
+        # (in double, so that gradients below FP32's range come out as subnormals, not zeros)
+        g = (heavy_tailed(elements, gen).double() * scale.double() *
+             (0.5 + torch.rand(1, generator=gen).item())).float()
         g[dead] = 0.0
         param.grad = g
         opt.step()

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "dte/io/safetensors.hpp"
+#include "dte/numeric/round.hpp"
 
 namespace {
 
@@ -119,7 +120,56 @@ TEST_CASE("a dump whose theta_prev disagrees with the state: a miss, exit 1") {
   CHECK(nlohmann::json::parse(j.output).at("missed") == 1);
 }
 
+TEST_CASE("a dump whose theta_prev is off by more than the bound but changes nothing: exit 1") {
+  Dump d;
+  // Move one theta_prev 200 FP32 ulps toward the middle of its BF16 interval: its BF16 value, and
+  // so every verdict, stays the same (no miss), but it is now far outside dte's error bound
+  // (about a dozen ulps): the guarantee failed, which the audit must say before it costs a miss.
+  std::size_t i = 1;
+  while (d.m[i] == 0.0f || std::fabs(d.theta_prev[i]) < 1e-3f)
+    ++i;
+  const float mid = dte::bf16_to_float(dte::round_bf16(d.theta_prev[i]));
+  const float prev_bits = d.theta_prev[i];
+  for (int k = 0; k < 200 && d.theta_prev[i] != mid; ++k)
+    d.theta_prev[i] = std::nextafter(d.theta_prev[i], mid);
+  REQUIRE(dte::round_bf16(d.theta_prev[i]) == dte::round_bf16(prev_bits));
+  REQUIRE(d.theta_prev[i] != prev_bits);
+  const std::string f = d.write("violation.safetensors");
+  const Run r = run_dte("audit-inverse " + f);
+  CHECK(r.status == 1);
+  CHECK_MESSAGE(r.output.find("missed            0") != std::string::npos, r.output);
+  CHECK_MESSAGE(r.output.find("bound violations  1 (the first at index " + std::to_string(i) +
+                              ")") != std::string::npos,
+                r.output);
+  CHECK_MESSAGE(r.output.find("UNSAFE: nothing was missed in this step, but the error bound "
+                              "failed for 1 element(s)") != std::string::npos,
+                r.output);
+  const Run j = run_dte("audit-inverse " + f + " --json");
+  CHECK(j.status == 1);
+  const auto json = nlohmann::json::parse(j.output);
+  CHECK(json.at("missed") == 0);
+  CHECK(json.at("bound_violations") == 1);
+  CHECK(json.at("first_bound_violation") == i);
+  CHECK(json.at("worst_bound_ratio").get<double>() > 1.0);
+  CHECK(json.at("safe") == false);
+  // The untouched dump: no violation, and the ratio says how much room the bound had.
+  const Run ok = run_dte("audit-inverse " + Dump().write("no_violation.safetensors") + " --json");
+  const auto okj = nlohmann::json::parse(ok.output);
+  CHECK(okj.at("bound_violations") == 0);
+  CHECK(okj.at("first_bound_violation") == -1);
+  CHECK(okj.at("worst_bound_ratio").get<double>() <= 1.0);
+}
+
 TEST_CASE("bad input is refused with exit 2 and a clear message") {
+  SUBCASE("an unknown decay_form") {
+    Dump d;
+    d.metadata["decay_form"] = "sometimes";
+    const Run r = run_dte("audit-inverse " + d.write("decayform.safetensors"));
+    CHECK(r.status == 2);
+    CHECK_MESSAGE(r.output.find("metadata key 'decay_form' is 'sometimes'; write multiply") !=
+                      std::string::npos,
+                  r.output);
+  }
   SUBCASE("missing metadata") {
     Dump d;
     d.metadata.erase("lr");

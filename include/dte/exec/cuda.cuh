@@ -26,6 +26,7 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <source_location>
 #include <string>
 #include <type_traits>
@@ -124,13 +125,22 @@ struct AuditTally {
   unsigned long long missed;
   unsigned long long guard_extra;
   unsigned long long first_missed;  // ULLONG_MAX: none
+  unsigned long long violations;    // breaks_bound
+  unsigned long long first_violation;
+  unsigned long long worst_ratio;  // bits of the largest bound_ratio (non-negative doubles
+                                   // order as their bit patterns)
 };
 
 struct CombineAuditTally {
   __device__ AuditTally operator()(const AuditTally& a, const AuditTally& b) const {
-    return {a.true_changed + b.true_changed, a.detected + b.detected, a.missed + b.missed,
+    return {a.true_changed + b.true_changed,
+            a.detected + b.detected,
+            a.missed + b.missed,
             a.guard_extra + b.guard_extra,
-            a.first_missed < b.first_missed ? a.first_missed : b.first_missed};
+            a.first_missed < b.first_missed ? a.first_missed : b.first_missed,
+            a.violations + b.violations,
+            a.first_violation < b.first_violation ? a.first_violation : b.first_violation,
+            a.worst_ratio > b.worst_ratio ? a.worst_ratio : b.worst_ratio};
   }
 };
 
@@ -149,13 +159,21 @@ __global__ void __launch_bounds__(ElementwiseLaunch::block_threads)
 template <class Detect, class Kernel>
 __global__ void __launch_bounds__(ElementwiseLaunch::block_threads)
     audit_elements(Kernel kernel, std::size_t n, const float* d_theta_prev, AuditTally* d_total) {
-  AuditTally mine{0, 0, 0, 0, ~0ull};
+  AuditTally mine{0, 0, 0, 0, ~0ull, 0, ~0ull, 0};
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += stride) {
     const float now = kernel.current(i);
     const bool truth = Detect::store(now) != Detect::store(d_theta_prev[i]);
-    const bool flagged = Detect::changed(now, kernel(i));
+    const Reconstruction r = kernel(i);
+    const bool flagged = Detect::changed(now, r);
+    if (breaks_bound(d_theta_prev[i], r)) {
+      ++mine.violations;
+      if (i < mine.first_violation) mine.first_violation = i;
+    }
+    const auto ratio =
+        static_cast<unsigned long long>(__double_as_longlong(bound_ratio(d_theta_prev[i], r)));
+    if (ratio > mine.worst_ratio) mine.worst_ratio = ratio;
     mine.true_changed += truth;
     mine.detected += flagged;
     if (truth && !flagged) {
@@ -172,6 +190,11 @@ __global__ void __launch_bounds__(ElementwiseLaunch::block_threads)
     if (block.missed != 0) atomicAdd(&d_total->missed, block.missed);
     if (block.guard_extra != 0) atomicAdd(&d_total->guard_extra, block.guard_extra);
     if (block.missed != 0) atomicMin(&d_total->first_missed, block.first_missed);
+    if (block.violations != 0) {
+      atomicAdd(&d_total->violations, block.violations);
+      atomicMin(&d_total->first_violation, block.first_violation);
+    }
+    if (block.worst_ratio != 0) atomicMax(&d_total->worst_ratio, block.worst_ratio);
   }
 }
 
@@ -252,6 +275,8 @@ AuditCounts audit(const Kernel& k, const float* d_theta_prev, cudaStream_t strea
   DTE_CUDA_TRY(cudaMemsetAsync(d_total.get(), 0, sizeof(detail::AuditTally), stream));
   DTE_CUDA_TRY(
       cudaMemsetAsync(&d_total.get()->first_missed, 0xFF, sizeof(unsigned long long), stream));
+  DTE_CUDA_TRY(
+      cudaMemsetAsync(&d_total.get()->first_violation, 0xFF, sizeof(unsigned long long), stream));
   detail::audit_elements<Detect, Kernel>
       <<<detail::grid_blocks(n), ElementwiseLaunch::block_threads, 0, stream>>>(k, n, d_theta_prev,
                                                                                 d_total.get());
@@ -268,6 +293,10 @@ AuditCounts audit(const Kernel& k, const float* d_theta_prev, cudaStream_t strea
   counts.guard_extra = total.guard_extra;
   counts.first_missed =
       total.missed != 0 ? static_cast<std::int64_t>(total.first_missed) : std::int64_t{-1};
+  counts.bound_violations = total.violations;
+  counts.first_violation =
+      total.violations != 0 ? static_cast<std::int64_t>(total.first_violation) : std::int64_t{-1};
+  std::memcpy(&counts.worst_bound_ratio, &total.worst_ratio, sizeof(double));
   return counts;
 }
 

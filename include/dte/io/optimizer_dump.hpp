@@ -5,7 +5,8 @@
 // File: F32 tensors theta_prev, theta and either exp_avg + exp_avg_sq (adamw, adam) or
 // momentum_buffer (sgd), all of one shape; __metadata__ keys optimizer = adamw|adam|sgd, lr,
 // weight_decay, beta1, beta2, eps, step, momentum, dampening (and optionally bias_correction,
-// amsgrad, maximize, nesterov = true|false). Missing optional keys take torch's defaults.
+// amsgrad, maximize, nesterov = true|false, decay_form = unknown|multiply|subtract). Missing
+// optional keys take torch's defaults (decay_form: unknown, which assumes nothing).
 #pragma once
 
 #include <charconv>
@@ -116,6 +117,18 @@ class MetadataReader {
 
 }  // namespace detail
 
+// decay_form = unknown | multiply | subtract (optional; AdamHyperparameters::decay_form).
+inline DecayForm decay_form(const detail::MetadataReader& md, std::string_view source) {
+  const std::string* s = md.find("decay_form");
+  if (s == nullptr || *s == "unknown") return DecayForm::unknown;
+  if (*s == "multiply") return DecayForm::multiply;
+  if (*s == "subtract") return DecayForm::subtract;
+  throw format_error(std::string(source) + ": metadata key 'decay_form' is '" + *s +
+                     "'; write multiply (theta *= 1 - lr*wd: torch.optim.AdamW on the CPU, "
+                     "foreach, TE/Apex), subtract (theta -= lr*wd*theta: torch fused=True on "
+                     "CUDA) or unknown");
+}
+
 // Reads the hyperparameters of one step. `suffix` selects per-step keys such as "lr.7" (pass
 // ".7"); keys without it apply to every step.
 inline OptimizerStep parse_optimizer_step(const std::map<std::string, std::string>& metadata,
@@ -150,6 +163,7 @@ inline OptimizerStep parse_optimizer_step(const std::map<std::string, std::strin
     s.adam.bias_correction = md.flag("bias_correction", true);
     s.adam.amsgrad = md.flag("amsgrad", false);
     s.adam.maximize = md.flag("maximize", false);
+    s.adam.decay_form = decay_form(md, source);
   }
   return s;
 }

@@ -8,8 +8,11 @@
 //     theta = theta_prev - lr * mhat / (sqrt(vhat) + eps)
 //   with mhat = m / (1 - beta1^step), vhat = v / (1 - beta2^step) (or 1 without bias correction).
 //
-// The error bound covers every forward variant real kernels use (FMA or not, decay before or after
-// the update, hyperparameters held in FP32 or FP64); docs/math.md derives each constant.
+// The error bound covers every evaluation order real kernels use (torch single-tensor, foreach and
+// fused on CPU and CUDA, TE/Apex FusedAdam; FMA or not; decay before or after the update;
+// hyperparameters held in FP32 or FP64), with every operation's underflow error (2^-150) carried
+// through the divisions that amplify it; docs/math.md section 3 derives each term, and
+// tests/optim/test_bound_property.cpp checks it on adversarial elements for every order.
 #pragma once
 
 #include <algorithm>
@@ -29,6 +32,16 @@
 
 namespace dte {
 
+// How the trainer's kernel applies decoupled weight decay. Every other rounding of every kernel is
+// covered whatever this says; it decides one thing only: whether a +0 weight can have been -0
+// before the step, because theta - (lr*wd)*theta turns -0 into +0 (even with lr = 0).
+enum class DecayForm : std::uint8_t {
+  unknown,   // any of the two (the default): a +0 weight that did not move is flagged
+  multiply,  // theta *= 1 - lr*wd, or theta - lr*(update + wd*theta): torch.optim.AdamW
+             // single-tensor, foreach and fused=True on the CPU; TE / Apex FusedAdam
+  subtract,  // theta -= lr*wd*theta: torch.optim.AdamW fused=True on CUDA; HF's old AdamW
+};
+
 // The hyperparameters of one parameter group at the step being inverted (the values the step
 // used: lr and weight_decay after the scheduler, step after its increment, so the first step is 1).
 struct AdamHyperparameters {
@@ -39,8 +52,9 @@ struct AdamHyperparameters {
   double eps = 1e-8;
   std::int64_t step = 0;
   bool bias_correction = true;
-  bool amsgrad = false;   // refused: the denominator would use max_exp_avg_sq
-  bool maximize = false;  // refused: not covered by the oracle tests
+  bool amsgrad = false;                       // refused: the denominator would use max_exp_avg_sq
+  bool maximize = false;                      // refused: not covered by the oracle tests
+  DecayForm decay_form = DecayForm::unknown;  // AdamW only; see DecayForm
 };
 
 // The optimizer state after the step: exp_avg (m) and exp_avg_sq (v), FP32, one per element.
@@ -61,7 +75,8 @@ DTE_HOST_DEVICE inline bool sign_bit(float x) noexcept {
 
 // The per-element functor of both Adam inverses. Trivially copyable: it is passed by value into
 // CUDA kernels and OpenMP loops alike. Built only by AdamWInverse::bind / AdamInverse::bind,
-// which validate everything first.
+// which validate everything first and fold every per-step constant of the error bound (including
+// the division by the decay factor) into the fields below. docs/math.md derives each of them.
 struct AdamFamilyKernel {
   const float* theta;
   const float* exp_avg;
@@ -70,11 +85,20 @@ struct AdamFamilyKernel {
   float step_size;     // lr / (1 - beta1^step)
   float inv_bc2_sqrt;  // 1 / sqrt(1 - beta2^step)
   float eps;
-  float decay;     // 1 - lr * weight_decay (1 for Adam with L2)
-  float rel_p;     // error per unit of |theta|
-  float rel_u;     // error per unit of |update|
-  float abs_base;  // underflow allowance, absolute
-  bool identity;   // lr == 0: the step changed nothing but possibly the sign of a zero
+  float inv_decay;  // 1 / (1 - lr * weight_decay) (exactly 1 for Adam with L2)
+  // error = rel_p*|theta| + rel_u*|update| + abs_err
+  //       + (amp_m [m tiny] + sqrt_err*|update| [v tiny]) / denom
+  float rel_p;     // per unit of |theta|
+  float rel_u;     // per unit of |update|
+  float abs_err;   // underflowing operations whose error is not amplified
+  float amp_m;     // an underflowing step_size*m or m/bc1 in the trainer, amplified by 1/denom
+  float m_tiny;    // |m| below which that first product or quotient may underflow
+  float sqrt_err;  // sqrt of an underflowing v/bc2 in the trainer (TE/Apex), relative to denom
+  float v_tiny;    // v below which v/bc2 may underflow
+  float zero_err;  // theta == m == 0: how far from zero theta_prev can be
+  bool zero_sign_exact;       // ... and whether it is then exactly a zero of theta's sign (m = +0)
+  bool plus_zero_from_minus;  // the decay may have turned a -0 weight into +0 (DecayForm)
+  bool identity;              // lr == 0: the step changed nothing but possibly the sign of a zero
 
   DTE_HOST_DEVICE std::size_t size() const noexcept { return n; }
   DTE_HOST_DEVICE float current(std::size_t i) const noexcept { return theta[i]; }
@@ -84,30 +108,39 @@ struct AdamFamilyKernel {
 
   DTE_HOST_DEVICE Reconstruction reconstruct(float p, float m, float v) const noexcept {
     if (identity) {
-      // theta = theta_prev * 1 - 0 * (...) exactly; only x - (-0) can turn -0 into +0, and the
-      // zero update carries the sign of m.
-      if (p == 0.0f) return {p, static_cast<float>(min_subnormal), !sign_bit(m)};
+      // theta = theta_prev * 1 - 0 * (...) exactly, but for the sign of a zero.
+      if (p == 0.0f) return {p, static_cast<float>(min_subnormal), zero_sign_kept(p, m)};
       return {p, 0.0f, true};
     }
     if (m == 0.0f && p == 0.0f) {
-      // No update and a zero weight: theta_prev is a zero (or an FP32 underflow remainder that
-      // rounds to zero in every 16-bit format). Its sign is theta's unless m is -0, where
-      // x - (-0) may have turned -0 into +0.
-      return {p, static_cast<float>(min_subnormal), !sign_bit(m)};
+      // No update and a zero weight: theta_prev is a zero, or (only when the decay factor is
+      // below about 1/2) a remainder the decay or TE's lr*(wd*p) rounded away.
+      return {p, zero_err, zero_sign_exact && zero_sign_kept(p, m)};
     }
     const float denom = add_rn(mul_rn(std::sqrt(v), inv_bc2_sqrt), eps);
-    const float update = mul_rn(step_size, div_rn(m, denom));
-    const float value = div_rn(add_rn(p, update), decay);
+    const float inv_denom = div_rn(1.0f, denom);
+    const float update = mul_rn(step_size, mul_rn(m, inv_denom));
+    const float value = mul_rn(add_rn(p, update), inv_decay);
     const float abs_u = abs_bits(update);
-    const float abs_m = abs_bits(m);
-    // A subnormal m / bc1 can lose up to 2^-150 before the division by denom, which then
-    // amplifies it by step_size / denom = |update| / |m|. A zero m gives an exact zero update.
-    const bool m_subnormal = abs_m > 0.0f && abs_m < 1.17549435e-38f;
-    const float underflow =
-        m_subnormal ? mul_rn(abs_base, add_rn(1.0f, div_rn(abs_u, abs_m))) : abs_base;
-    const float error =
-        div_rn(add_rn(add_rn(mul_rn(rel_p, abs_bits(p)), mul_rn(rel_u, abs_u)), underflow), decay);
+    float error = add_rn(add_rn(mul_rn(rel_p, abs_bits(p)), mul_rn(rel_u, abs_u)), abs_err);
+    // Absolute errors the trainer's kernel made below FP32's normal range and then divided by
+    // denom: torch's (step_size*m)/denom, TE's (m/bc1)/denom and TE's sqrt(v/bc2). Branch-free
+    // (selects; bits - 1 makes the zero case fail the unsigned compare): this is the hot pass.
+    const bool m_small =
+        float_bits(abs_bits(m)) - 1u < float_bits(m_tiny) - 1u;         // 0 < |m| < m_tiny
+    const bool v_small = float_bits(v) - 1u < float_bits(v_tiny) - 1u;  // 0 < v < v_tiny
+    const float amplified =
+        add_rn(m_small ? amp_m : 0.0f, v_small ? mul_rn(sqrt_err, abs_u) : 0.0f);
+    error = add_rn(error, mul_rn(amplified, inv_denom));
+    // The sqrt term is first-order in 2^-75/denom: beyond 1/4 nothing useful can be said.
+    error = (v_small & (denom < 0x1p-73f)) ? bits_float(0x7F800000u) : error;
     return {value, error, false};
+  }
+
+  // A zero weight keeps its sign through the step unless something subtracted a zero of its
+  // own sign: x - (-0) after an update of sign m, or -0 - (lr*wd)*(-0) in a subtracting decay.
+  DTE_HOST_DEVICE bool zero_sign_kept(float p, float m) const noexcept {
+    return !sign_bit(m) && !(plus_zero_from_minus && !sign_bit(p));
   }
 };
 
@@ -146,6 +179,8 @@ inline AdamFamilyKernel make_adam_kernel(std::string_view policy, bool decoupled
   require_non_negative_scalar(who, tensor, "eps", h.eps,
                               "pass the optimizer's eps (1e-8 by default)");
   require_non_negative_scalar(who, tensor, "weight_decay", h.weight_decay);
+  require_zero_or_normal(who, tensor, "lr", h.lr);
+  require_zero_or_normal(who, tensor, "eps", h.eps);
   for (const auto& [name, beta] : {std::pair{"beta1", h.beta1}, std::pair{"beta2", h.beta2}}) {
     if (!(beta >= 0.0 && beta < 1.0)) {
       throw invalid_argument(who + ": " + name + " must be in [0, 1) for " + where + " (got " +
@@ -168,22 +203,37 @@ inline AdamFamilyKernel make_adam_kernel(std::string_view policy, bool decoupled
   require_non_negative(who, tensor, "exp_avg_sq", state.exp_avg_sq);
 
   const double u = unit_roundoff;
+  const double eta = 0.5 * min_subnormal;  // largest absolute error of an underflowing op
   const double bc1 = h.bias_correction ? 1.0 - std::pow(h.beta1, static_cast<double>(h.step)) : 1.0;
   const double bc2 = h.bias_correction ? 1.0 - std::pow(h.beta2, static_cast<double>(h.step)) : 1.0;
   const double lw = decoupled ? h.lr * h.weight_decay : 0.0;
+  const double c = 1.0 - lw;
+  const double amp = lw > 0.0 ? lw / c : 0.0;  // how much the decay amplifies its own roundings
   const double step_size = h.lr / bc1;
-  // Forward and inverse together round about 9 times in terms of |theta| when the decay factor
-  // is not 1, and twice when it is; about 23 times in terms of |update|, plus the spread of the
-  // bias corrections and the lr*wd*|update| gap between decaying before or after the update.
-  const double rel_p = (lw > 0.0 ? 12.0 : 3.0) * u;
-  double rel_u = 32.0 * u + lw;
+  // docs/math.md section 3 derives each term with the roundings of every kernel order dte
+  // covers; the constants carry at least 1.4x the derived value, so that rounding the bound
+  // itself to FP32 and the detector's comparisons cannot eat the margin.
+  const double rel_p = lw > 0.0 ? 12.0 * u + 12.0 * u * amp : 3.0 * u;
+  // (lw: the gap between decaying before and after the update, exact to first order.)
+  double rel_u = 32.0 * u + 12.0 * u * amp + lw * (1.0 + 0x1p-16);
   if (h.bias_correction) {
     rel_u +=
         bias_correction_spread(h.beta1, h.step) + 0.5 * bias_correction_spread(h.beta2, h.step);
   }
-  // Each underflowing multiply, divide or square root is off by at most 2^-150; allow 32 of
-  // them, scaled by step_size when that exceeds one.
-  const double abs_base = 64.0 * min_subnormal * std::max(1.0, step_size);
+  // Each underflowing multiply or divide whose error is not amplified afterwards is off by at
+  // most 2^-150, scaled by at most step_size; there are fewer than 8 of them, allow 128.
+  const double abs_err = 128.0 * eta * std::max(1.0, step_size);
+  // An underflowing first product (torch: step_size*m; TE: m/bc1, then times lr) is divided by
+  // denom afterwards: 2^-150 * max(1, lr) / denom, times at most 4/3 where TE's denom is short by
+  // up to sqrt(2^-150) = 2^-75 because v/bc2 underflowed (the 2*2^-75/denom term below, valid
+  // while 2^-75/denom <= 1/4: beyond that the error is infinite).
+  const double amp_m = 2.0 * eta * std::max(1.0, h.lr);
+  const double m_tiny = 2.0 * 0x1p-126 * std::max(1.0 / step_size, bc1);
+  const double sqrt_err = 4.0 * 0x1p-75;
+  const double v_tiny = 2.0 * 0x1p-126;
+  // theta == m == 0: theta_prev*c (torch) or theta_prev - lr*(wd*theta_prev) (TE) rounded to
+  // zero, so |theta_prev| <= 2^-150 * (1 + lr) / c; below 2^-149 that means an exact zero.
+  const double zero_bound = lw > 0.0 ? eta * (1.0 + h.lr) * (1.0 + 0x1p-20) / c : 0.0;
 
   AdamFamilyKernel k{};
   k.theta = theta.data();
@@ -193,10 +243,18 @@ inline AdamFamilyKernel make_adam_kernel(std::string_view policy, bool decoupled
   k.step_size = static_cast<float>(step_size);
   k.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
   k.eps = static_cast<float>(h.eps);
-  k.decay = static_cast<float>(1.0 - lw);
-  k.rel_p = static_cast<float>(rel_p);
-  k.rel_u = static_cast<float>(rel_u);
-  k.abs_base = static_cast<float>(abs_base);
+  k.inv_decay = static_cast<float>(1.0 / c);
+  k.rel_p = float_up(rel_p / c);
+  k.rel_u = float_up(rel_u / c);
+  k.abs_err = float_up(abs_err / c);
+  k.amp_m = float_up(amp_m / c);
+  k.m_tiny = float_up(m_tiny);
+  k.sqrt_err = float_up(sqrt_err / c);
+  k.v_tiny = float_up(v_tiny);
+  k.zero_err = float_up(std::max(min_subnormal, 2.0 * zero_bound));
+  k.zero_sign_exact = zero_bound < min_subnormal;
+  k.plus_zero_from_minus =
+      decoupled && h.weight_decay != 0.0 && h.decay_form != DecayForm::multiply;
   k.identity = h.lr == 0.0;
   return k;
 }

@@ -3,6 +3,7 @@
 // The derivation of every constant is in docs/math.md.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "dte/config.hpp"
@@ -41,6 +42,14 @@ inline constexpr double unit_roundoff = 1.0 / 16777216.0;  // 2^-24
 // Smallest positive FP32 subnormal; every underflowing multiply, divide or square root is off by
 // at most half of it in absolute terms.
 inline constexpr double min_subnormal = 1.4012984643248171e-45;  // 2^-149
+
+// The FP32 value nearest to a non-negative constant of an error bound, rounded up rather than to
+// nearest: a bound may be loose, never short.
+inline float float_up(double x) noexcept {
+  float f = static_cast<float>(x);
+  if (static_cast<double>(f) < x) f = std::nextafter(f, bits_float(0x7F800000u));
+  return f;
+}
 
 // FP32 operations rounded once each, never fused: nvcc contracts a*b+c into an FMA by default,
 // which would make device verdicts differ from the host's in the last bit. (The bounds hold

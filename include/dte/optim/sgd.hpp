@@ -107,6 +107,7 @@ struct SgdMomentumInverse {
     detail::require_non_negative_scalar(who, tensor, "lr", h.lr,
                                         "pass the learning rate the step used");
     detail::require_non_negative_scalar(who, tensor, "weight_decay", h.weight_decay);
+    detail::require_zero_or_normal(who, tensor, "lr", h.lr);
     detail::require_same_length(who, tensor, "theta", theta.size(), "momentum_buffer",
                                 s.momentum_buffer.size());
     detail::require_finite(who, tensor, "theta", theta);

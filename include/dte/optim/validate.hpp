@@ -38,6 +38,18 @@ inline void require_non_negative_scalar(std::string_view policy, std::string_vie
                          std::string(hint));
 }
 
+// A scalar the FP32 kernels use as a factor (lr, eps): zero, or at least FP32's smallest normal
+// number, so that its FP32 copy carries a relative rounding error only (the error bounds of the
+// inverses assume it).
+inline void require_zero_or_normal(std::string_view policy, std::string_view tensor,
+                                   std::string_view name, double value) {
+  if (value == 0.0 || value >= 0x1p-126) return;
+  throw invalid_argument(std::string(policy) + ": " + std::string(name) + " for " +
+                         tensor_label(tensor) + " is " + format_value(value) +
+                         ", below FP32's normal range (1.17549435e-38); pass 0 or a value of at "
+                         "least 1.17549435e-38");
+}
+
 // theta, exp_avg, ... must have the same number of elements as the parameter shard.
 inline void require_same_length(std::string_view policy, std::string_view tensor,
                                 std::string_view ref_name, std::size_t ref_size,

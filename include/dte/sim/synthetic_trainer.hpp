@@ -235,6 +235,7 @@ class SyntheticTrainer {
     h.beta2 = cfg_.beta2;
     h.eps = cfg_.eps;
     h.step = step_;
+    h.decay_form = DecayForm::multiply;  // step() multiplies by 1 - lr*wd, as torch on the CPU
     return h;
   }
 
