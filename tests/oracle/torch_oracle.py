@@ -135,8 +135,13 @@ def write_safetensors(path, tensors, metadata):
     os.replace(tmp, path)
 
 
-def run(name, elements, steps, seed):
+def run(name, elements, steps, seed, kernel=None):
     kind, kwargs, schedule, *rest = SETTINGS[name]
+    kwargs = dict(kwargs)
+    if kernel is not None:  # the torch kernel form: single-tensor, foreach or fused=True
+        kwargs.pop("foreach", None)
+        kwargs.update({"single": dict(foreach=False), "foreach": dict(foreach=True),
+                       "fused": dict(fused=True)}[kernel])
     data = rest[0] if rest else "natural"
     gen = torch.Generator().manual_seed(seed)
     if data == "dead":
@@ -145,7 +150,6 @@ def run(name, elements, steps, seed):
         w = weight_like(elements, gen)
         scale, dead = gradient_scales(elements, gen)
     param = torch.nn.Parameter(w)
-    kwargs = dict(kwargs)
     base_lr = kwargs["lr"]
     if kind == "adamw":
         opt = torch.optim.AdamW([param], **kwargs)
@@ -156,7 +160,7 @@ def run(name, elements, steps, seed):
     bias_correction = True
     tensors = [("theta.0", param.detach().clone())]
     meta = {"optimizer": kind, "steps": steps, "bias_correction": str(bias_correction).lower(),
-            "data": data}
+            "data": data, "torch": torch.__version__, "kernel": kernel or "default"}
     if kind == "adamw":
         # torch's CPU kernels (single-tensor, foreach, fused) multiply by 1 - lr*wd.
         meta["decay_form"] = "multiply"
@@ -204,6 +208,9 @@ def main():
     ap.add_argument("--elements", type=int, default=1 << 20)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--seed", type=int, default=20261130)
+    ap.add_argument("--kernel", choices=["single", "foreach", "fused"],
+                    help="force torch's kernel form (fused=True on the CPU needs torch >= 2.4); "
+                         "default: the setting's own")
     args = ap.parse_args()
     if args.list:
         print("\n".join(sorted(SETTINGS)))
@@ -211,7 +218,7 @@ def main():
     if not args.setting or not (args.out or args.audit_file):
         ap.error("--setting and one of --out / --audit-file are required")
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    tensors, meta = run(args.setting, args.elements, args.steps, args.seed)
+    tensors, meta = run(args.setting, args.elements, args.steps, args.seed, args.kernel)
     if args.out:
         write_safetensors(args.out, tensors, meta)
     if args.audit_file:
