@@ -12,6 +12,7 @@
 #include "dte/engine/engine.hpp"
 #include "dte/layout/identity.hpp"
 #include "dte/optim/adam.hpp"
+#include "dte/sim/cluster.hpp"
 #include "dte/sim/dense_check.hpp"
 
 namespace {
@@ -41,24 +42,27 @@ struct MyTrainer {
   }
 };
 
-// What DeltaEngine reads: the weights, and an inverse per parameter (its hyperparameters).
+// What DeltaEngine reads (concept trainer_access): the weights, and per parameter its
+// hyperparameters and AdamW state; the engine binds AdamWInverse itself.
 struct MyAccess {
   const MyTrainer* t;
   std::span<const float> theta(std::int64_t, dte::layout::BufferKind) const { return t->theta; }
-  dte::AdamWInverse::kernel kernel(std::int64_t, dte::layout::BufferKind,
-                                   const dte::layout::PlanSegment& s) const {
+  dte::AdamHyperparameters hyperparameters(std::int64_t, dte::layout::BufferKind,
+                                           const dte::layout::PlanSegment& s) const {
     const auto& x = (*t->model)[s.param];
+    // decay_form: step() multiplies by 1 - lr*wd (torch's order), so a -0 weight stays -0.
+    return {.lr = t->lr,
+            .weight_decay = x.cols == 0 ? 0.0 : t->weight_decay,
+            .step = t->steps,
+            .decay_form = dte::DecayForm::multiply};
+  }
+  dte::AdamState state(std::int64_t, dte::layout::BufferKind,
+                       const dte::layout::PlanSegment& s) const {
     const auto part = [&](const std::vector<float>& a) {
       return std::span<const float>(a).subspan(static_cast<std::size_t>(s.shard_begin),
                                                static_cast<std::size_t>(s.length));
     };
-    // decay_form: step() multiplies by 1 - lr*wd (torch's order), so a -0 weight stays -0.
-    return dte::AdamWInverse::bind({.lr = t->lr,
-                                    .weight_decay = x.cols == 0 ? 0.0 : t->weight_decay,
-                                    .step = t->steps,
-                                    .decay_form = dte::DecayForm::multiply},
-                                   part(t->theta), {part(t->m), part(t->v)},
-                                   t->model->name(s.param));
+    return {part(t->m), part(t->v)};
   }
 };
 
@@ -76,9 +80,9 @@ int main() {
   for (float& x : trainer.theta)
     x = init(rng);
 
-  LoopbackTwoRound transport;
-  DeltaEngine<AdamWInverse, BF16Detect, Identity> engine(model, layout::TrainTopology{}, receivers,
-                                                         {}, transport);
+  // One trainer rank and two receiver ranks, as threads of this process.
+  sim::LoopbackCluster<DeltaEngine<AdamWInverse, BF16Detect, Identity, LoopbackTwoRound>> engine(
+      model, layout::TrainTopology{}, receivers, {});
   const MyAccess access{&trainer};
   engine.publish_full(access);
   std::vector<float> grad(n);

@@ -6,13 +6,16 @@
 // the deadline instead of a hang.
 #include <mpi.h>
 
+#include <cstdint>
 #include <cstdio>
+#include <vector>
 
 #include "dte/detect/detect.hpp"
-#include "dte/engine/mpi_engine.hpp"
+#include "dte/engine/engine.hpp"
 #include "dte/optim/adam.hpp"
 #include "dte/sim/access.hpp"
 #include "dte/sim/synthetic_trainer.hpp"
+#include "dte/transport/mpi.hpp"
 
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
@@ -25,10 +28,21 @@ int main(int argc, char** argv) {
     // Every process builds the trainer here for simplicity; only trainer ranks read it.
     sim::SyntheticTrainer trainer(model, train, receivers, {.lr = 1e-5, .warmup_steps = 2});
     const sim::AdamWAccess access{&trainer};
-    MpiTwoRoundConfig transport;
-    transport.deadline = std::chrono::seconds(20);
-    MpiDeltaEngine<AdamWInverse, BF16Detect> engine(model, train, receivers, {}, MPI_COMM_WORLD,
-                                                    transport);
+    MpiTwoRoundConfig config;
+    config.deadline = std::chrono::seconds(20);
+    MpiTwoRound transport(MPI_COMM_WORLD, static_cast<int>(train.world()),
+                          static_cast<int>(receivers.topology().ranks()), config);
+    // A receiver process owns its tensors (here zero-filled; an inference engine's own weights).
+    std::vector<std::vector<std::uint16_t>> storage;
+    ReceiverTensors views;
+    if (transport.is_receiver()) {
+      for (std::int64_t k = 0; k < receivers.size(); ++k) {
+        storage.emplace_back(static_cast<std::size_t>(receivers[k].numel), std::uint16_t{0});
+        views.emplace_back(storage.back());
+      }
+    }
+    DeltaEngine<AdamWInverse, BF16Detect, MegatronToHF, MpiTwoRound> engine(model, train, receivers,
+                                                                            {}, transport, views);
     bool verified = engine.publish_full(access).verified;
     for (int step = 1; step <= 10; ++step) {
       trainer.step();

@@ -7,8 +7,10 @@
 
 #include "dte/detect/detect.hpp"
 #include "dte/engine/engine.hpp"
+#include "dte/io/report_json.hpp"
 #include "dte/optim/adam.hpp"
 #include "dte/sim/access.hpp"
+#include "dte/sim/cluster.hpp"
 #include "dte/sim/dense_check.hpp"
 #include "dte/sim/synthetic_trainer.hpp"
 
@@ -20,15 +22,16 @@ int main() {
 
   sim::SyntheticTrainer trainer(model, train, receivers, {.lr = 1e-6, .warmup_steps = 2});
   const sim::AdamWAccess access{&trainer};  // the FP32 shards and an AdamWInverse per segment
-  LoopbackTwoRound transport;               // trainer and receiver ranks as threads
-  DeltaEngine<AdamWInverse, BF16Detect, MegatronToHF, LoopbackTwoRound> engine(
-      model, train, receivers, {.publish_every = 1}, transport);
+  // One DeltaEngine per rank: 4 trainer ranks and 8 receiver ranks, each a thread of this
+  // process talking through a LoopbackWorld; the cluster owns the receivers' BF16 tensors.
+  using Engine = DeltaEngine<AdamWInverse, BF16Detect, MegatronToHF, LoopbackTwoRound>;
+  sim::LoopbackCluster<Engine> engine(model, train, receivers, {.publish_every = 1});
 
   engine.publish_full(access);  // version 0: every receiver gets the initial weights
   for (int step = 1; step <= 20; ++step) {
     trainer.step();
     SyncReport report;
-    if (engine.step(access, report)) std::printf("%s\n", report.json().c_str());
+    if (engine.step(access, report)) std::printf("%s\n", json(report).c_str());
   }
   const auto differ =
       sim::dense_mismatches(model, receivers, trainer.canonical_weights(), engine.receivers());

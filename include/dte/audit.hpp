@@ -17,8 +17,8 @@
 #include "dte/config.hpp"
 #include "dte/error.hpp"
 #include "dte/numeric/round.hpp"
-#include "dte/optim/reconstruction.hpp"
 #include "dte/optim/validate.hpp"
+#include "dte/reconstruction.hpp"
 
 namespace dte {
 
@@ -42,7 +42,7 @@ DTE_HOST_DEVICE inline bool distance_exceeds(float a, float b, float e) noexcept
 
 }  // namespace detail
 
-// Whether a reconstruction breaks its contract (optim/reconstruction.hpp) for the true previous
+// Whether a reconstruction breaks its contract (dte/reconstruction.hpp) for the true previous
 // value: |theta_prev - value| > error; or error == 0 and value is not theta_prev bit for bit; or
 // sign_exact and the sign bits differ. A non-finite value or error claims nothing (the detector
 // flags such an element whatever it is), so it cannot break the contract.

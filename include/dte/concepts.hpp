@@ -9,15 +9,20 @@
 #include <span>
 #include <string_view>
 #include <type_traits>
+#include <vector>
 
-#include "dte/optim/reconstruction.hpp"
+#include "dte/layout/segment.hpp"
+#include "dte/reconstruction.hpp"
+#include "dte/transport/payload.hpp"
 
 namespace dte {
 
 // Reconstructs the previous value of each element of a shard from optimizer state.
 //   P::bind(hyperparameters, theta, state, tensor_name) validates and returns P::kernel, a
 //   trivially copyable functor: kernel(i) -> Reconstruction, kernel.current(i) -> float,
-//   kernel.size() -> std::size_t.
+//   kernel.size() -> std::size_t, kernel.valid(i) -> bool (the per-element checks of bind).
+//   P::bind_unchecked(...) skips the pass over the elements: a caller that reads every element
+//   anyway checks valid(i) as it goes and calls bind() to report a refusal.
 template <class P>
 concept optimizer_inverse = requires {
   typename P::optimizer_inverse_tag;
@@ -34,7 +39,9 @@ concept optimizer_inverse = requires {
                                                               const typename P::kernel& k,
                                                               std::size_t i) {
   { P::bind(h, theta, s, std::string_view{}) } -> std::same_as<typename P::kernel>;
+  { P::bind_unchecked(h, theta, s, std::string_view{}) } -> std::same_as<typename P::kernel>;
   { k(i) } -> std::same_as<Reconstruction>;
+  { k.valid(i) } -> std::same_as<bool>;
   { k.current(i) } -> std::same_as<float>;
   { k.size() } -> std::same_as<std::size_t>;
 };
@@ -53,7 +60,8 @@ concept change_detector = requires {
 
 // Maps a trainer parameter element to its canonical (HF) element, per trainer rank:
 //   l(param, flat_index) -> L::canonical_type, l.is_sender(param) -> bool (one source per
-//   canonical element when parameters are replicated).
+//   canonical element when parameters are replicated); L::plan_type is the transfer_plan it
+//   brings (built once per trainer rank).
 template <class L>
 concept layout_mapping = requires {
   typename L::layout_mapping_tag;
@@ -61,10 +69,85 @@ concept layout_mapping = requires {
 &&requires {
   typename L::param_type;
   typename L::canonical_type;
+  typename L::plan_type;
 }
 &&requires(const L& l, const typename L::param_type& p, std::int64_t i) {
   { l(p, i) } -> std::same_as<typename L::canonical_type>;
   { l.is_sender(p) } -> std::same_as<bool>;
+};
+
+// What a layout's plan tells the engine about one trainer rank's shard: its segments per buffer
+// (contiguous ranges of one parameter), the parameters (name(), cols, numel()), the buffer
+// sizes, and the mapping to canonical elements (RunTable builds the affine runs from these).
+template <class P>
+concept transfer_plan = requires(const P& p, layout::BufferKind b) {
+  { p.segments(b) } -> std::convertible_to<const std::vector<layout::PlanSegment>&>;
+  { p.shard_size(b) } -> std::convertible_to<std::int64_t>;
+  { p.params()[0].name() } -> std::convertible_to<std::string_view>;
+  { p.params()[0].cols } -> std::convertible_to<std::int64_t>;
+  p.mapping();
+};
+
+// The trainer's state as the engine reads it, per trainer rank, buffer and plan segment: the
+// rank's FP32 shard of the buffer, the segment's hyperparameters (its parameter group's, after
+// the scheduler) and its optimizer state (spans over the segment). The engine binds the inverse.
+template <class A, class Inverse>
+concept trainer_access = optimizer_inverse<Inverse> &&
+    requires(const A& a, std::int64_t rank, layout::BufferKind b, const layout::PlanSegment& s) {
+  { a.theta(rank, b) } -> std::convertible_to<std::span<const float>>;
+  { a.hyperparameters(rank, b, s) } -> std::convertible_to<typename Inverse::hyperparameters>;
+  { a.state(rank, b, s) } -> std::convertible_to<typename Inverse::state>;
+};
+
+// Carries the pipeline's data-parallel stages (exec/host.hpp; the CUDA executor next):
+//   for_each(n, f(i, worker)), for_each_ordered(n, par(i, worker), ser(i, worker)) (ser in
+//   increasing i), exclusive_scan(in, out) -> total, and detect<Detect>(kernel, piece, ...): the
+//   detect stage's per-element work, the executor's fastest form of the shared rules.
+namespace detail {
+// Stands for a stage's per-item callable in the executor concept (a lambda in a requires
+// expression is valid C++20, but nvcc's front end rejects it).
+struct item_callable {
+  void operator()(std::size_t, int) const noexcept {}
+};
+}  // namespace detail
+
+template <class E>
+concept executor = requires {
+  typename E::executor_tag;
+}
+&&requires(const E& e, std::size_t n, std::span<const std::uint64_t> in,
+           std::span<std::uint64_t> out) {
+  { e.threads() } -> std::convertible_to<int>;
+  e.for_each(n, detail::item_callable{});
+  e.for_each_ordered(n, detail::item_callable{}, detail::item_callable{});
+  { e.exclusive_scan(in, out) } -> std::same_as<std::uint64_t>;
+};
+
+// A per-rank endpoint of a world of S sender (trainer) ranks and R receiver ranks: ranks
+// [0, S) send, [S, S + R) receive. Every rank calls the same operations in the same order.
+//   exchange(payloads) -> inbox_type: round 1 every sender tells every receiver its byte count,
+//   zeros
+//     included; round 2 the payloads move. A sender passes one payload per receiver and gets an
+//     empty inbox; a receiver passes nothing and gets (sender, bytes) per non-empty payload.
+//   sum(values, phase): element-wise sum over every rank of the world, result on every rank.
+//   checkpoint(phase): returns once every rank reached it.
+// Every wait has a deadline; a peer that does not answer becomes a deadline_error naming it
+// and the phase, never a hang.
+template <class T>
+concept transport = requires {
+  typename T::transport_tag;
+  typename T::inbox_type;
+}
+&&requires(T& t, const T& ct, const std::vector<Payload>& out, std::span<std::uint64_t> v,
+           const char* phase) {
+  { ct.senders() } -> std::convertible_to<int>;
+  { ct.receivers() } -> std::convertible_to<int>;
+  { ct.rank() } -> std::convertible_to<int>;
+  { ct.is_sender() } -> std::same_as<bool>;
+  { ct.is_receiver() } -> std::same_as<bool>;
+  { t.exchange(out) } -> std::same_as<typename T::inbox_type>;
+  t.sum(v, phase);
+  t.checkpoint(phase);
 };
 
 }  // namespace dte

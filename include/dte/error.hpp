@@ -57,4 +57,12 @@ class io_error : public error {
       : error(message, where) {}
 };
 
+// A peer of a transport's world did not answer within the deadline (stalled or dead).
+class deadline_error : public error {
+ public:
+  explicit deadline_error(const std::string& message,
+                          std::source_location where = std::source_location::current())
+      : error(message, where) {}
+};
+
 }  // namespace dte

@@ -10,16 +10,20 @@
 //     no-op version.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "dte/detect/detect.hpp"
 #include "dte/engine/engine.hpp"
+#include "dte/engine/wire.hpp"
 #include "dte/numeric/round.hpp"
 #include "dte/optim/adam.hpp"
 #include "dte/sim/access.hpp"
+#include "dte/sim/cluster.hpp"
 #include "dte/sim/synthetic_trainer.hpp"
 
 using namespace dte;
@@ -27,17 +31,19 @@ using namespace dte::layout;
 
 namespace {
 
-using Engine = DeltaEngine<AdamWInverse, BF16Detect>;
+using Engine = DeltaEngine<AdamWInverse, BF16Detect, MegatronToHF, LoopbackTwoRound>;
+using Cluster = sim::LoopbackCluster<Engine>;
 
 // Receiver elements that differ from round_bf16 of the trainer's canonical FP32 weights.
 std::int64_t golden_mismatches(const HfModel& hf, const SglangLayout& recv,
-                               const sim::SyntheticTrainer& trainer, const Engine& engine) {
+                               const sim::SyntheticTrainer& trainer, const Cluster& engine) {
   const std::vector<float> canonical = trainer.canonical_weights();
   std::int64_t bad = 0;
-  for (const Receiver& r : engine.receivers()) {
+  for (const Receiver* rp : engine.receivers()) {
+    const Receiver& r = *rp;
     const std::int64_t ts = r.rank() % recv.topology().tp;
     for (std::int64_t k = 0; k < recv.size(); ++k) {
-      const auto& t = r.tensor(k);
+      const std::span<const std::uint16_t> t = r.tensor(k);
       for (std::size_t i = 0; i < t.size(); ++i) {
         const Canonical c = recv.source({ts, k, static_cast<std::int64_t>(i)});
         const std::uint16_t want =
@@ -85,8 +91,7 @@ TEST_CASE("golden invariant: receivers equal the dense conversion after every pu
       const SglangLayout recv(hf, parse_infer_topology(pair.infer));
       sim::SyntheticTrainer trainer(hf, train, recv, lively());
       const sim::AdamWAccess access{&trainer};
-      LoopbackTwoRound transport;
-      Engine engine(hf, train, recv, {.publish_every = K}, transport);
+      Cluster engine(hf, train, recv, {.publish_every = K});
       const SyncReport first = engine.publish_full(access);
       CHECK(first.verified);
       CHECK(golden_mismatches(hf, recv, trainer, engine) == 0);
@@ -122,8 +127,7 @@ struct Fixture {
   SglangLayout recv{hf, parse_infer_topology("tp=2,replicas=2")};
   sim::SyntheticTrainer trainer{hf, train, recv, lively()};
   sim::AdamWAccess access{&trainer};
-  LoopbackTwoRound transport;
-  Engine engine{hf, train, recv, {.publish_every = 1}, transport};
+  Cluster engine{hf, train, recv, {.publish_every = 1}};
 
   Fixture() {
     engine.publish_full(access);
@@ -142,7 +146,7 @@ struct Fixture {
 
 TEST_CASE("a dropped payload is caught by the digest and repaired") {
   Fixture f;
-  f.transport.inject({.kind = TransportFault::Kind::drop, .src = 1, .dst = 0});
+  f.engine.world().inject({.kind = TransportFault::Kind::drop, .src = 1, .dst = 0});
   const SyncReport rep = f.step();
   CHECK_FALSE(rep.repaired.empty());  // the digest named the tensors
   CHECK(rep.verified);
@@ -151,9 +155,9 @@ TEST_CASE("a dropped payload is caught by the digest and repaired") {
 
 TEST_CASE("a duplicated (replayed) payload is detected and changes nothing; the digest confirms") {
   Fixture f;
-  f.transport.keep_history(true);
+  f.engine.world().keep_history(true);
   f.step();
-  f.transport.inject({.kind = TransportFault::Kind::duplicate, .src = 0, .dst = 1});
+  f.engine.world().inject({.kind = TransportFault::Kind::duplicate, .src = 0, .dst = 1});
   const SyncReport rep = f.step();
   CHECK(rep.stale_messages == 1);  // the replay of the previous version, recognised and ignored
   CHECK(rep.verified);
@@ -163,9 +167,13 @@ TEST_CASE("a duplicated (replayed) payload is detected and changes nothing; the 
 
 TEST_CASE("a bit flipped in a value is caught by the digest and repaired") {
   Fixture f;
-  // Byte 49 is inside the first entry's 16-bit value (40-byte header, u32 tensor, u32 index).
-  f.transport.inject(
-      {.kind = TransportFault::Kind::bitflip, .src = 0, .dst = 0, .byte = 49, .bit = 3});
+  // A bit of the first 16-bit value of the message.
+  f.engine.world().inject(
+      {.kind = TransportFault::Kind::bitflip,
+       .src = 0,
+       .dst = 0,
+       .bit = 3,
+       .where = [](std::span<const std::byte> b) { return wire::first_value_offset(b); }});
   const SyncReport rep = f.step();
   CHECK(rep.repaired.size() >= 1);
   CHECK(rep.verified);
@@ -174,7 +182,8 @@ TEST_CASE("a bit flipped in a value is caught by the digest and repaired") {
 
 TEST_CASE("a bit flipped in the header makes the receiver refuse; it is fully resynced") {
   Fixture f;
-  f.transport.inject(
+  // Byte 9 is inside the version (32-byte header: magic, kind, reserved, version, ...).
+  f.engine.world().inject(
       {.kind = TransportFault::Kind::bitflip, .src = 0, .dst = 2, .byte = 9, .bit = 0});
   const SyncReport rep = f.step();
   CHECK(rep.resynced == std::vector<std::int64_t>{2});
@@ -185,33 +194,40 @@ TEST_CASE("a bit flipped in the header makes the receiver refuse; it is fully re
 TEST_CASE("a delta on the wrong base is refused and leaves the receiver untouched") {
   const HfModel hf(model_preset("tiny-qwen3"));
   const SglangLayout recv(hf, parse_infer_topology("tp=2"));
-  Receiver r(hf, recv, 0);
-  Message full;
+  std::vector<std::vector<std::uint16_t>> storage;  // the inference engine's own tensors
+  ReceiverTensors views;
+  for (std::int64_t k = 0; k < recv.size(); ++k) {
+    storage.emplace_back(static_cast<std::size_t>(recv[k].numel), std::uint16_t{0});
+    views.emplace_back(storage.back());
+  }
+  Receiver r(hf, recv, 0, views);
+  wire::Message full;
   full.kind = MessageKind::full;
   full.version = 0;
   full.entries.push_back({1, 3, 0x3F80});
-  REQUIRE(r.apply(0, {{0, encode(full)}}).committed);
-  const auto before = r.tensor(1);
+  REQUIRE(r.apply(0, {{0, wire::encode(full)}}).committed);
+  const std::vector<std::uint16_t> before(r.tensor(1).begin(), r.tensor(1).end());
   const auto digest = r.digest();
-  Message delta;
+  const auto unchanged = [&] { return std::ranges::equal(r.tensor(1), before); };
+  wire::Message delta;
   delta.version = 2;
   delta.base = 1;  // the receiver holds 0
   delta.entries.push_back({1, 3, 0x4000});
-  const ApplyResult res = r.apply(2, {{0, encode(delta)}});
+  const ApplyResult res = r.apply(2, {{0, wire::encode(delta)}});
   CHECK_FALSE(res.committed);
   CHECK(res.refusal.find("base version 1 but this receiver holds 0") != std::string::npos);
   CHECK(r.version() == 0);
-  CHECK(r.tensor(1) == before);
+  CHECK(unchanged());
   CHECK(r.digest() == digest);
-  Message out_of_range;
+  wire::Message out_of_range;
   out_of_range.version = 1;
   out_of_range.base = 0;
   out_of_range.entries.push_back({1, 3, 0x4000});
   out_of_range.entries.push_back({1, 1u << 30, 0x4000});
-  const ApplyResult bad = r.apply(1, {{0, encode(out_of_range)}});
+  const ApplyResult bad = r.apply(1, {{0, wire::encode(out_of_range)}});
   CHECK_FALSE(bad.committed);
   CHECK(bad.refusal.find("is outside model.layers.0.input_layernorm.weight") != std::string::npos);
-  CHECK(r.tensor(1) == before);  // the valid entry before the bad one was not applied either
+  CHECK(unchanged());  // the valid entry before the bad one was not applied either
 }
 
 TEST_CASE("NaN in optimizer state refuses the publication and names the tensor") {
@@ -232,8 +248,8 @@ TEST_CASE("NaN in optimizer state refuses the publication and names the tensor")
     CHECK(what.find("non-finite") != std::string::npos);
   }
   CHECK(f.engine.version() == held);
-  for (const Receiver& r : f.engine.receivers())
-    CHECK(r.version() == held);
+  for (const Receiver* r : f.engine.receivers())
+    CHECK(r->version() == held);
   // Once the state is sound again, the next publication resends everything (the refused
   // step's changes were never recorded) and the receivers are exact again.
   cell = saved;
@@ -251,8 +267,8 @@ TEST_CASE("an unchanged step publishes an explicit no-op version") {
   CHECK(rep.kind == "noop");
   CHECK(rep.changed == 0);
   CHECK(rep.verified);
-  for (const Receiver& r : f.engine.receivers())
-    CHECK(r.version() == rep.version);
+  for (const Receiver* r : f.engine.receivers())
+    CHECK(r->version() == rep.version);
   const SyncReport skipped = f.engine.publish_noop(f.access);  // a skipped step
   CHECK(skipped.kind == "noop");
   CHECK(skipped.version == rep.version + 1);

@@ -3,8 +3,10 @@
 // the peak extra memory of a publication is compared with what it moved. Senders hold their
 // messages in fixed chunks and receivers read messages in place, so a publication needs at most
 // 1.5 x (bytes sent + bytes received) plus a fixed bound (one partly filled chunk per
-// (sender, receiver) pair and per-tensor tables); nothing scales with the model but the K > 1
-// dirty masks, one bit per element, allocated once.
+// (sender, receiver) pair, per-tensor tables, the run table, and every executor thread's tile
+// buffers); nothing scales with the model but the K > 1 dirty masks, one bit per element,
+// allocated once. And a receiver writing into tensors the caller allocated allocates nothing
+// model-sized.
 #include <doctest/doctest.h>
 
 #include <atomic>
@@ -14,7 +16,9 @@
 
 #include "dte/detect/detect.hpp"
 #include "dte/engine/engine.hpp"
+#include "dte/engine/wire.hpp"
 #include "dte/sim/access.hpp"
+#include "dte/sim/cluster.hpp"
 #include "dte/sim/synthetic_trainer.hpp"
 
 namespace {
@@ -71,8 +75,8 @@ TEST_CASE("memory of a publication: O(changed), within 1.5x of the payload plus 
     cfg.warmup_steps = 2;
     sim::SyntheticTrainer trainer(hf, train, recv, cfg);
     const sim::AdamWAccess access{&trainer};
-    LoopbackTwoRound transport;
-    DeltaEngine<AdamWInverse, BF16Detect> engine(hf, train, recv, {.publish_every = K}, transport);
+    sim::LoopbackCluster<DeltaEngine<AdamWInverse, BF16Detect>> engine(hf, train, recv,
+                                                                       {.publish_every = K});
     engine.publish_full(access);
     std::int64_t worst_extra = 0;
     double worst_ratio = 0;
@@ -112,4 +116,75 @@ TEST_CASE("memory of a publication: O(changed), within 1.5x of the payload plus 
     std::printf("K=%lld: worst peak extra %lld bytes, %.2f x the bytes moved (sent + received)\n",
                 static_cast<long long>(K), static_cast<long long>(worst_extra), worst_ratio);
   }
+}
+
+TEST_CASE(
+    "a receiver writes into tensors the caller allocated; dte allocates nothing model-sized") {
+  const HfModel hf(model_preset("small-qwen3"));
+  const SglangLayout recv(hf, parse_infer_topology("tp=2"));
+  // The inference engine's own tensors (receiver TP rank 0), allocated and owned by the test.
+  std::vector<std::vector<std::uint16_t>> storage;
+  ReceiverTensors views;
+  std::int64_t model_bytes = 0;
+  for (std::int64_t k = 0; k < recv.size(); ++k) {
+    storage.emplace_back(static_cast<std::size_t>(recv[k].numel), std::uint16_t{0x1234});
+    views.emplace_back(storage.back());
+    model_bytes += 2 * recv[k].numel;
+  }
+  // A full publication (every element as dense runs) and a delta touching 1% of the elements.
+  wire::Message full;
+  full.kind = MessageKind::full;
+  full.version = 0;
+  wire::Message delta;
+  delta.version = 1;
+  delta.base = 0;
+  for (std::int64_t k = 0; k < recv.size(); ++k) {
+    std::vector<std::uint16_t> bits(static_cast<std::size_t>(recv[k].numel));
+    for (std::size_t i = 0; i < bits.size(); ++i) {
+      bits[i] = static_cast<std::uint16_t>(0x3C00 + (i * 7 + static_cast<std::size_t>(k)) % 512);
+      if (i % 100 == 3) {
+        delta.entries.push_back({static_cast<std::uint32_t>(k), static_cast<std::uint32_t>(i),
+                                 static_cast<std::uint16_t>(bits[i] + 1)});
+      }
+    }
+    full.runs.push_back({static_cast<std::uint32_t>(k), 0, std::move(bits)});
+  }
+  const Inbox full_in{{0, wire::encode(full)}}, delta_in{{0, wire::encode(delta)}};
+  full = {};
+  delta = {};
+
+  const std::int64_t before = g_current.load();
+  g_peak.store(before);
+  Receiver r(hf, recv, 0, views);
+  const ApplyResult a = r.apply(0, full_in);
+  const ApplyResult b = r.apply(1, delta_in);
+  const std::int64_t extra = g_peak.load() - before;
+  std::printf(
+      "receiver over caller tensors: %lld model bytes, messages %zu + %zu bytes, peak extra "
+      "heap of construction and both applies %lld bytes\n",
+      static_cast<long long>(model_bytes), full_in[0].second.size(), delta_in[0].second.size(),
+      static_cast<long long>(extra));
+  REQUIRE(a.committed);
+  REQUIRE(b.committed);
+  // Nothing model-sized: the view table, the digest table and a flag per canonical tensor.
+  CHECK(extra < 64 * 1024);
+  CHECK(extra < model_bytes / 100);
+  // The caller's memory holds the values (in place: the same buffers).
+  for (std::int64_t k = 0; k < recv.size(); ++k) {
+    CHECK(r.tensor(k).data() == storage[static_cast<std::size_t>(k)].data());
+    const std::uint16_t want = static_cast<std::uint16_t>(0x3C00 + (3 * 7 + k) % 512 + 1);
+    CHECK(storage[static_cast<std::size_t>(k)][3] == want);
+  }
+  // The digest equals one computed from the caller's tensors.
+  std::vector<std::uint64_t> digest(static_cast<std::size_t>(hf.size()), 0);
+  for (std::int64_t k = 0; k < recv.size(); ++k) {
+    for (std::size_t i = 0; i < storage[static_cast<std::size_t>(k)].size(); ++i) {
+      const Canonical c = recv.source({0, k, static_cast<std::int64_t>(i)});
+      if (c.tensor >= 0) {
+        digest[static_cast<std::size_t>(c.tensor)] +=
+            element_digest(hf[c.tensor].base + c.index, storage[static_cast<std::size_t>(k)][i]);
+      }
+    }
+  }
+  CHECK(r.digest() == digest);
 }

@@ -1,7 +1,7 @@
 # cmake -DSOURCE_DIR=... -DCLANG_FORMAT=... -P check_format.cmake
 # Fails when a C++/CUDA file of the project differs from what .clang-format says.
 file(GLOB_RECURSE files
-     "${SOURCE_DIR}/include/*.hpp" "${SOURCE_DIR}/include/*.cuh"
+     "${SOURCE_DIR}/include/*.hpp" "${SOURCE_DIR}/include/*.cuh" "${SOURCE_DIR}/include/*.inc"
      "${SOURCE_DIR}/tests/*.cpp" "${SOURCE_DIR}/tests/*.cu" "${SOURCE_DIR}/tests/*.hpp"
      "${SOURCE_DIR}/tools/*.cpp" "${SOURCE_DIR}/tools/*.hpp"
      "${SOURCE_DIR}/examples/*.cpp" "${SOURCE_DIR}/bench/*.cpp")

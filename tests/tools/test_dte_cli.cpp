@@ -431,3 +431,24 @@ TEST_CASE("dte simulate: bad arguments are refused") {
   const Run k = run_dte("simulate --model tiny-qwen3 --steps 2 --publish-every 0");
   CHECK(k.status == 2);
 }
+
+TEST_CASE("dte bench pipeline --json: every stage against the memory read, one object") {
+  const Run r = run_dte(
+      "bench pipeline --model small-qwen3 --layers 2 --train tp=2 --infer tp=2 --fractions 0.01 "
+      "--fractions 0.1 --repeat 1 --json");
+  REQUIRE_MESSAGE(r.status == 0, r.output);
+  const auto j = nlohmann::json::parse(r.output);
+  CHECK(j.at("memory_read_gbs").get<double>() > 0.0);
+  CHECK(j.at("detect_fraction").get<double>() > 0.0);
+  CHECK(j.at("publish_fraction").get<double>() > 0.0);
+  CHECK(j.at("apply_entries_per_s").get<double>() > 0.0);
+  CHECK(j.at("wire_bytes_per_entry").get<double>() > 1.0);
+  CHECK(j.at("wire_bytes_per_entry").get<double>() < 6.0);
+  REQUIRE(j.at("stages").size() == 2);
+  // The changed fraction the shard was built for is what the detect stage found (plus the
+  // guard band's few).
+  const double at1 = j.at("stages")[0].at("changed_fraction").get<double>();
+  CHECK(at1 > 0.0095);
+  CHECK(at1 < 0.0125);
+  CHECK(j.at("stages")[1].at("changed_fraction").get<double>() > 0.095);
+}

@@ -15,5 +15,6 @@ inline constexpr int exit_bad_input = 2;     // refused its input: message on st
 void register_audit_inverse(CLI::App& app, int& status);
 void register_plan(CLI::App& app, int& status);
 void register_simulate(CLI::App& app, int& status);
+void register_bench(CLI::App& app, int& status);
 
 }  // namespace dte::tool

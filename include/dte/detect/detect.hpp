@@ -12,7 +12,7 @@
 #include "dte/concepts.hpp"
 #include "dte/config.hpp"
 #include "dte/numeric/round.hpp"
-#include "dte/optim/reconstruction.hpp"
+#include "dte/reconstruction.hpp"
 
 namespace dte {
 

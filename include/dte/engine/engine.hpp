@@ -1,36 +1,41 @@
 // SPDX-License-Identifier: Apache-2.0
-// DeltaEngine on the host backend: per trainer rank, one fused pass over each optimizer-shard
-// segment (reconstruct, round, compare with the guard band, compact), routing through the
-// transfer plan, bucketing per receiver, the two-round exchange, transactional apply on the
-// receivers, and verification of every replica against the trainer's digest with a dense
-// repair of any tensor that disagrees (shared/DESIGN.md §2-§5).
+// DeltaEngine: one instance per rank of a transport's world (a trainer rank or a receiver rank),
+// whatever the transport: loopback threads, MPI processes, NCCL ranks.
 //
-// Publication every K optimizer steps: step() ORs each step's changes into a one-bit-per-
-// element dirty mask and publishes the marked elements' current values on the K-th step;
-// flush() publishes whatever is pending. K = 1 keeps no mask.
+//   using Engine = DeltaEngine<AdamWInverse, BF16Detect, MegatronToHF, LoopbackTwoRound>;
 //
-// The trainer's state reaches the engine through an accessor `a` with
-//   a.theta(rank, buffer)           -> std::span<const float>, the rank's FP32 shard of that buffer
-//   a.kernel(rank, buffer, segment) -> Inverse::kernel over that segment (hyperparameters differ
-//                                      per parameter group), built with Inverse::bind, which
-//                                      validates the state first.
+// One publication, top to bottom (every rank calls the same method; each does its part):
+//   1. scan (trainer ranks): the staged pass over the rank's shard (engine/sender.hpp);
+//      then the world agrees that no trainer rank refused (a refusal throws on every rank and
+//      nothing is sent) and sums the trainer's digest per canonical tensor.
+//   2. deliver: trainer ranks close one message per receiver; the two-round exchange; receiver
+//      ranks apply their inbox transactionally into the caller's tensors.
+//   3. verify: every replica's digest per canonical tensor is summed over the world and
+//      compared with the trainer's; receivers that refused get a full resync and disagreeing
+//      tensors a dense repair, then the check runs again.
+//   4. report: every rank's part summed over the world, so every rank returns the same report.
+// Publication every K optimizer steps, explicit no-op versions and the full publication after
+// a refusal are the schedule's (engine/schedule.hpp).
 #pragma once
 
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
-#include <cstdio>
+#include <functional>
 #include <optional>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "dte/concepts.hpp"
-#include "dte/config.hpp"
-#include "dte/engine/digest.hpp"
 #include "dte/engine/message.hpp"
 #include "dte/engine/receiver.hpp"
+#include "dte/engine/report.hpp"
+#include "dte/engine/schedule.hpp"
 #include "dte/engine/sender.hpp"
+#include "dte/engine/verify.hpp"
+#include "dte/exec/host.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/megatron.hpp"
 #include "dte/layout/plan.hpp"
@@ -39,217 +44,55 @@
 
 namespace dte {
 
-struct EngineConfig {
-  std::int64_t publish_every = 1;  // K
-  bool verify = true;              // compare every replica's digest with the trainer's
-};
-
-struct SyncReport {
-  Version version = 0;
-  std::string kind;                     // full | delta | noop
-  std::int64_t steps = 0;               // optimizer steps this publication covers
-  std::uint64_t elements_scanned = 0;   // sender elements read by the detect pass
-  std::uint64_t changed = 0;            // elements sent (changed or guard band)
-  std::uint64_t guard = 0;              // of which only flagged by the guard band
-  std::uint64_t routed_writes = 0;      // receiver element writes, all replicas
-  std::uint64_t bytes = 0;              // on the wire, all receivers
-  std::vector<std::uint64_t> bytes_to;  // per receiver rank
-  std::uint64_t dense_bytes = 0;        // what a dense BF16 sync would move: 2 per live element
-  std::uint64_t digest = 0;             // trainer total: sum over canonical tensors
-  bool verified = false;                // every replica matched (after repair, if any)
-  std::vector<std::string> repaired;    // canonical tensors resent densely
-  std::vector<std::int64_t> resynced;   // receivers that refused and got a full resync
-  std::uint64_t stale_messages = 0;     // replays of older versions, ignored by the receivers
-  // Memory beyond the model (bytes), for the rank with the largest ratio to its payload: the
-  // sender's chunked messages (+ its dirty masks when K > 1), the receiver's received messages.
-  std::uint64_t sender_extra_bytes = 0, sender_payload_bytes = 0;
-  std::uint64_t receiver_extra_bytes = 0, receiver_payload_bytes = 0;
-  std::uint64_t sender_mask_bytes = 0;     // K > 1: one bit per shard element, per rank
-  std::uint64_t sender_fixed_bytes = 0;    // a partly filled chunk per receiver + per-tensor tables
-  std::uint64_t payload_total_bytes = 0;   // all senders' messages
-  std::uint64_t received_total_bytes = 0;  // all receivers' messages
-  // detect: the fused pass (reconstruct, round, compare, compact, route into per-receiver
-  // messages); route: closing the messages; then exchange, apply, verify (and repair).
-  double detect_s = 0, route_s = 0, exchange_s = 0, apply_s = 0, verify_s = 0;
-
-  [[nodiscard]] double changed_fraction() const noexcept {
-    return elements_scanned == 0 ? 0.0 : static_cast<double>(changed) / elements_scanned;
-  }
-
-  [[nodiscard]] std::string json() const {
-    char buf[1024];
-    std::string repaired_list;
-    for (const auto& r : repaired)
-      repaired_list += (repaired_list.empty() ? "\"" : ",\"") + r + "\"";
-    std::snprintf(buf, sizeof buf,
-                  "{\"version\":%llu,\"kind\":\"%s\",\"steps\":%lld,\"elements_scanned\":%llu,"
-                  "\"changed\":%llu,\"guard_extra\":%llu,\"changed_fraction\":%.6g,"
-                  "\"receiver_writes\":%llu,\"bytes\":%llu,\"dense_bytes\":%llu,"
-                  "\"digest\":\"%016llx\",\"verified\":%s,\"resynced_receivers\":%zu,"
-                  "\"stale_messages\":%llu,"
-                  "\"seconds\":{\"detect\":%.6f,\"route\":%.6f,\"exchange\":%.6f,\"apply\":%.6f,"
-                  "\"verify\":%.6f},\"repaired\":[",
-                  static_cast<unsigned long long>(version), kind.c_str(),
-                  static_cast<long long>(steps), static_cast<unsigned long long>(elements_scanned),
-                  static_cast<unsigned long long>(changed), static_cast<unsigned long long>(guard),
-                  changed_fraction(), static_cast<unsigned long long>(routed_writes),
-                  static_cast<unsigned long long>(bytes),
-                  static_cast<unsigned long long>(dense_bytes),
-                  static_cast<unsigned long long>(digest), verified ? "true" : "false",
-                  resynced.size(), static_cast<unsigned long long>(stale_messages), detect_s,
-                  route_s, exchange_s, apply_s, verify_s);
-    std::string out = buf;
-    out += repaired_list + "],\"bytes_to\":[";
-    for (std::size_t i = 0; i < bytes_to.size(); ++i) {
-      out += (i ? "," : "") + std::to_string(bytes_to[i]);
-    }
-    return out + "]}";
-  }
-};
-
 using MegatronToHF = layout::MegatronToHF;
 
-namespace detail {
-
-// The verification verdict: canonical tensor t disagrees when, in some replica, the sum of the
-// receivers' digests (replica_sums[replica * tensors + t]) differs from the trainer's digest
-// times the copies of t a replica holds.
-inline std::vector<bool> mismatched_tensors(const layout::HfModel& hf,
-                                            const layout::SglangLayout& receivers,
-                                            const std::vector<std::uint64_t>& trainer,
-                                            const std::uint64_t* replica_sums) {
-  const std::size_t tensors = trainer.size();
-  std::vector<bool> bad(tensors, false);
-  for (std::int64_t replica = 0; replica < receivers.topology().replicas; ++replica) {
-    for (std::size_t t = 0; t < tensors; ++t) {
-      const auto copies =
-          static_cast<std::uint64_t>(receivers.copies(hf[static_cast<std::int64_t>(t)].kind));
-      if (replica_sums[static_cast<std::size_t>(replica) * tensors + t] != copies * trainer[t]) {
-        bad[t] = true;
-      }
-    }
-  }
-  return bad;
-}
-
-// The publication schedule every engine shares: version numbers, publication every K steps,
-// and a full publication after a refused one. Derived provides scan(access, mode, report)
-// (throws, calling refused(), when a trainer rank refuses), deliver(kind, report, access) and
-// clear_masks().
-template <class Derived>
-class PublicationSchedule {
- public:
-  explicit PublicationSchedule(EngineConfig config) : config_(config) {
-    if (config.publish_every < 1) {
-      throw invalid_argument("publish_every must be >= 1 (got " +
-                             std::to_string(config.publish_every) + ")");
-    }
-  }
-
-  [[nodiscard]] Version version() const noexcept { return version_; }
-  [[nodiscard]] std::int64_t pending_steps() const noexcept { return pending_; }
-
-  // The first publication (version 0): every element, current values.
-  template <class Access>
-  SyncReport publish_full(Access&& access) {
-    SyncReport rep;
-    rep.kind = "full";
-    rep.version = 0;
-    self().scan(access, ScanMode::all, rep);
-    version_ = 0;
-    needs_full_ = false;
-    self().deliver(MessageKind::full, rep, access);
-    return rep;
-  }
-
-  // Call after every optimizer step. Publishes (and returns true) on every K-th step.
-  template <class Access>
-  bool step(Access&& access, SyncReport& report) {
-    ++pending_;
-    if (config_.publish_every == 1) {
-      report = publish_now(access, ScanMode::detect);
-      return true;
-    }
-    SyncReport ignored;
-    self().scan(access, ScanMode::mark, ignored);  // OR this step's changes into the mask
-    if (pending_ < config_.publish_every) return false;
-    report = publish_now(access, ScanMode::mask);
-    return true;
-  }
-
-  // Publishes the steps taken since the last publication, if any.
-  template <class Access>
-  bool flush(Access&& access, SyncReport& report) {
-    if (pending_ == 0) return false;
-    report = publish_now(access, ScanMode::mask);
-    return true;
-  }
-
- protected:
-  // A trainer rank refused: the changes of this step were not recorded, so the next
-  // publication sends everything.
-  void refused() noexcept { needs_full_ = true; }
-
-  EngineConfig config_;
-  Version version_ = no_version;
-
- private:
-  Derived& self() noexcept { return static_cast<Derived&>(*this); }
-
-  template <class Access>
-  SyncReport publish_now(Access& access, ScanMode mode) {
-    SyncReport rep;
-    rep.version = version_ + 1;
-    rep.steps = pending_;
-    const bool full = needs_full_;
-    self().scan(access, full ? ScanMode::all : mode, rep);  // throws before anything is sent
-    version_ = rep.version;
-    pending_ = 0;
-    needs_full_ = false;
-    if (full) self().clear_masks();
-    const MessageKind kind = full               ? MessageKind::full
-                             : rep.changed == 0 ? MessageKind::noop
-                                                : MessageKind::delta;
-    rep.kind = full ? "full" : rep.changed == 0 ? "noop" : "delta";
-    self().deliver(kind, rep, access);
-    return rep;
-  }
-
-  std::int64_t pending_ = 0;
-  bool needs_full_ = false;
-};
-
-}  // namespace detail
-
-template <optimizer_inverse Inverse, change_detector Detect, class Layout = MegatronToHF,
-          class Transport = LoopbackTwoRound>
-requires layout_mapping<Layout>
+template <optimizer_inverse Inverse, change_detector Detect, layout_mapping Layout = MegatronToHF,
+          transport Transport = LoopbackTwoRound, executor Exec = HostExecutor>
+requires transfer_plan<typename Layout::plan_type>
 class DeltaEngine
-    : public detail::PublicationSchedule<DeltaEngine<Inverse, Detect, Layout, Transport>> {
+    : public detail::PublicationSchedule<DeltaEngine<Inverse, Detect, Layout, Transport, Exec>> {
   using Schedule = detail::PublicationSchedule<DeltaEngine>;
   friend Schedule;
   using Schedule::config_;
   using Schedule::version_;
 
  public:
-  using Sender = SenderRank<Inverse, Detect, Layout>;
-  using Plan = typename Sender::Plan;
+  using Sender = SenderRank<Inverse, Detect, typename Layout::plan_type, Exec>;
 
+  // A trainer rank (transport.is_sender()) or a receiver rank, which passes views of its own
+  // tensors (ReceiverTensors, in SglangLayout order for its TP rank).
   DeltaEngine(const layout::HfModel& hf, const layout::TrainTopology& train,
-              const layout::SglangLayout& receivers, EngineConfig config, Transport& transport)
+              const layout::SglangLayout& receivers, EngineConfig config, Transport& transport,
+              ReceiverTensors tensors = {}, Exec exec = {})
       : Schedule(config), hf_(&hf), recv_layout_(&receivers), transport_(&transport) {
-    for (std::int64_t g = 0; g < train.world(); ++g) {
-      senders_.emplace_back(hf, train, receivers, g, config.publish_every > 1);
+    if (transport.senders() != train.world() ||
+        transport.receivers() != receivers.topology().ranks()) {
+      throw invalid_argument(
+          "DeltaEngine: the transport's world has " + std::to_string(transport.senders()) +
+          " senders and " + std::to_string(transport.receivers()) +
+          " receivers, the topologies need " + std::to_string(train.world()) +
+          " trainer ranks and " + std::to_string(receivers.topology().ranks()) + " receiver ranks");
+    }
+    if (transport.is_sender()) {
+      sender_.emplace(hf, train, receivers, transport.rank(), config.publish_every > 1, exec);
+    } else {
+      receiver_.emplace(hf, receivers, transport.rank() - transport.senders(), std::move(tensors));
     }
     for (std::int64_t r = 0; r < receivers.topology().ranks(); ++r) {
-      receivers_.emplace_back(hf, receivers, r);
       dense_bytes_ +=
           2 * static_cast<std::uint64_t>(receivers.live_elements(r % receivers.topology().tp));
     }
   }
 
-  [[nodiscard]] const std::vector<Sender>& senders() const noexcept { return senders_; }
-  [[nodiscard]] const std::vector<Receiver>& receivers() const noexcept { return receivers_; }
+  [[nodiscard]] bool is_sender() const noexcept { return sender_.has_value(); }
+  [[nodiscard]] bool is_receiver() const noexcept { return receiver_.has_value(); }
+  [[nodiscard]] int rank() const noexcept { return transport_->rank(); }
+  // The trainer rank this instance is (senders only) / the receiver (receivers only).
+  [[nodiscard]] const Sender& sender() const { return *sender_; }
+  [[nodiscard]] const Receiver& receiver() const { return *receiver_; }
+  [[nodiscard]] Transport& transport() noexcept { return *transport_; }
+  // The trainer rank whose state refused the last refused publication (-1: none).
+  [[nodiscard]] std::int64_t refused_by() const noexcept { return refused_by_; }
 
   // An explicit no-op version (a skipped step, lr = 0): every receiver moves to the next
   // version without a change, through the same version chain.
@@ -258,170 +101,225 @@ class DeltaEngine
     SyncReport rep;
     rep.kind = "noop";
     rep.version = ++version_;
-    for (Sender& s : senders_)
-      s.begin_messages();  // headers only
+    if (sender_) sender_->begin_messages();  // headers only
     deliver(MessageKind::noop, rep, access);
     return rep;
   }
 
-  // For fault tests: the transport the engine sends through.
-  Transport& transport() noexcept { return *transport_; }
+  // For fault tests: hook(rank, version) runs on this rank between round 1 and round 2 of every
+  // publication's exchange (transports that support it: MpiTwoRound).
+  void between_rounds(std::function<void(int rank, Version version)> hook) {
+    hook_ = std::move(hook);
+  }
 
  private:
   void clear_masks() {
-    for (Sender& s : senders_)
-      s.clear_masks();
+    if (sender_) sender_->clear_masks();
   }
 
-  // Every sender's fused pass (in parallel), then the trainer's digest per canonical tensor.
+  static double since(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+
+  // 1. The staged pass on trainer ranks, then agreement and the trainer's digest.
   template <class Access>
-  void scan(Access& access, ScanMode mode, SyncReport& rep) {
-    const auto t0 = std::chrono::steady_clock::now();
-    const std::size_t ranks = senders_.size();
-    std::vector<ScanResult> results(ranks);
-    std::vector<std::string> errors(ranks);
-    DTE_OMP(parallel for schedule(dynamic, 1))
-    for (std::size_t r = 0; r < ranks; ++r) {
+  void scan(Access& access, pipeline::ScanMode mode, SyncReport& rep) {
+    static_assert(trainer_access<std::remove_cvref_t<Access>, Inverse>,
+                  "DeltaEngine: the accessor must provide theta(rank, buffer), "
+                  "hyperparameters(rank, buffer, segment) and state(rank, buffer, segment) for "
+                  "this Inverse (concept dte::trainer_access)");
+    ScanResult res;
+    std::string error;
+    if (sender_) {
       try {
-        results[r] = senders_[r].scan(access, mode);
+        res = sender_->scan(access, mode);
       } catch (const std::exception& e) {
-        errors[r] = e.what();
+        error = e.what();
       }
     }
-    for (std::size_t r = 0; r < ranks; ++r) {
-      if (!errors[r].empty()) {
-        // Refused before anything was sent: the receivers keep the version they hold.
-        this->refused();
-        throw invalid_argument("publication refused on trainer rank " + std::to_string(r) + ": " +
-                               errors[r]);
-      }
+    std::vector<std::uint64_t> refused(static_cast<std::size_t>(transport_->senders()), 0);
+    if (sender_ && !error.empty()) refused[static_cast<std::size_t>(transport_->rank())] = 1;
+    transport_->sum(refused, "the agreement after the detect pass");
+    const auto first = std::find(refused.begin(), refused.end(), 1u);
+    if (first != refused.end()) {
+      this->refused();
+      refused_by_ = first - refused.begin();
+      const std::string who = "publication refused on trainer rank " + std::to_string(refused_by_);
+      throw invalid_argument(error.empty() ? who + " (that rank's error says why); nothing was sent"
+                                           : who + ": " + error);
     }
-    if (mode == ScanMode::mark) return;
-    trainer_digest_.assign(static_cast<std::size_t>(hf_->size()), 0);
-    for (const ScanResult& res : results) {
-      for (std::size_t t = 0; t < trainer_digest_.size(); ++t)
-        trainer_digest_[t] += res.digest[t];
-      rep.elements_scanned += res.scanned;
-      rep.changed += res.changed;
-      rep.guard += res.guard;
-    }
+    refused_by_ = -1;
+    if (mode == pipeline::ScanMode::mark) return;
+    const auto tensors = static_cast<std::size_t>(hf_->size());
+    std::vector<std::uint64_t> v = sender_ ? res.digest : std::vector<std::uint64_t>(tensors, 0);
+    v.insert(v.end(), {res.scanned, res.changed, res.guard, res.entries});
+    transport_->sum(v, "the digest sum");
+    trainer_digest_.assign(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(tensors));
+    rep.elements_scanned = v[tensors];
+    rep.changed = v[tensors + 1];
+    rep.guard = v[tensors + 2];
+    rep.entries = v[tensors + 3];
     rep.digest = 0;
     for (std::uint64_t d : trainer_digest_)
       rep.digest += d;
-    rep.detect_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    detect_s_ = res.seconds;
   }
 
-  // Exchange the messages, apply on every receiver, verify, repair.
+  // 2. Exchange, apply; then verify (3) and the report (4).
   template <class Access>
   void deliver(MessageKind kind, SyncReport& rep, Access& access) {
     rep.dense_bytes = dense_bytes_;
     auto t0 = std::chrono::steady_clock::now();
-    const Version base = kind == MessageKind::full ? no_version : version_ - 1;
-    std::vector<std::vector<Payload>> wire;
-    rep.sender_extra_bytes = rep.sender_payload_bytes = 0;
-    for (Sender& s : senders_) {
-      wire.push_back(s.finish(kind, version_, base));
-      const std::uint64_t payload = s.payload_bytes(), held = s.held_bytes();
-      rep.payload_total_bytes += payload;
-      rep.sender_mask_bytes = std::max(rep.sender_mask_bytes, s.mask_bytes());
-      rep.sender_fixed_bytes = s.fixed_bytes();
-      // The rank whose extra memory is largest relative to its payload.
-      if (rep.sender_payload_bytes == 0 ||
-          held * static_cast<double>(rep.sender_payload_bytes) >
-              rep.sender_extra_bytes * static_cast<double>(payload)) {
-        rep.sender_extra_bytes = held;
-        rep.sender_payload_bytes = payload;
-      }
+    std::vector<Payload> out;
+    std::uint64_t payload = 0, held = 0, mask = 0, fixed = 0;
+    if (sender_) {
+      out = sender_->finish(kind, version_, kind == MessageKind::full ? no_version : version_ - 1);
+      payload = sender_->payload_bytes();
+      held = sender_->held_bytes();
+      mask = sender_->mask_bytes();
+      fixed = sender_->fixed_bytes();
     }
-    std::vector<Inbox> inbox = transport_->exchange(wire);
-    wire.clear();
-    for (Sender& s : senders_)
-      s.release();
-    rep.bytes = transport_->last_stats().bytes;
-    rep.bytes_to = transport_->last_stats().bytes_to;
-    auto t1 = std::chrono::steady_clock::now();
-    rep.exchange_s = std::chrono::duration<double>(t1 - t0).count();
-
-    std::vector<ApplyResult> results(receivers_.size());
-    DTE_OMP(parallel for schedule(dynamic, 1))
-    for (std::size_t d = 0; d < receivers_.size(); ++d) {
-      results[d] = receivers_[d].apply(version_, inbox[d]);
+    const double route_s = since(t0);
+    t0 = std::chrono::steady_clock::now();
+    if constexpr (requires { transport_->between_rounds(std::function<void()>{}); }) {
+      if (hook_) transport_->between_rounds([this] { hook_(transport_->rank(), version_); });
     }
-    // Receiver memory beyond its live tensors: the received messages (read in place) and one
-    // small view per message.
-    rep.receiver_extra_bytes = rep.receiver_payload_bytes = 0;
-    for (std::size_t d = 0; d < receivers_.size(); ++d) {
-      rep.stale_messages += results[d].stale;
-      rep.routed_writes += results[d].written;
-      std::uint64_t received = 0;
-      for (const auto& [src, bytes] : inbox[d])
+    Inbox inbox = transport_->exchange(out);
+    if (sender_) sender_->release();
+    const double exchange_s = since(t0);
+    t0 = std::chrono::steady_clock::now();
+    ApplyResult applied;
+    std::uint64_t received = 0, received_held = 0;
+    if (receiver_) {
+      applied = receiver_->apply(version_, inbox);
+      for (const auto& [src, bytes] : inbox)
         received += bytes.capacity();
-      rep.received_total_bytes += received;
-      const std::uint64_t held = received + inbox[d].size() * sizeof(MessageView);
-      if (held > rep.receiver_extra_bytes) {
-        rep.receiver_extra_bytes = held;
-        rep.receiver_payload_bytes = received;
-      }
+      received_held = received + inbox.size() * sizeof(wire::MessageView);
     }
-    auto t2 = std::chrono::steady_clock::now();
-    rep.apply_s = std::chrono::duration<double>(t2 - t1).count();
-    if (config_.verify) verify_and_repair(results, rep, access);
-    rep.verify_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t2).count();
+    inbox.clear();
+    const double apply_s = since(t0);
+    t0 = std::chrono::steady_clock::now();
+    if (config_.verify) verify_and_repair(applied, rep, access);
+    const double verify_s = since(t0);
+
+    // 4. The report: sums, per-receiver bytes, and per-rank figures whose maximum is reported.
+    const auto world = static_cast<std::size_t>(transport_->senders() + transport_->receivers());
+    const auto receivers = static_cast<std::size_t>(transport_->receivers());
+    const auto me = static_cast<std::size_t>(transport_->rank());
+    enum Field : std::size_t { f_payload, f_received, f_stale, f_written, f_count };
+    constexpr std::size_t per_rank = 11;
+    std::vector<std::uint64_t> v(f_count + receivers + per_rank * world, 0);
+    v[f_payload] = payload;
+    v[f_received] = received;
+    v[f_stale] = applied.stale;
+    v[f_written] = applied.written;
+    if (receiver_) v[f_count + me - static_cast<std::size_t>(transport_->senders())] = received;
+    auto slot = [&](std::size_t rank, std::size_t k) -> std::uint64_t& {
+      return v[f_count + receivers + rank * per_rank + k];
+    };
+    const auto micros = [](double s) { return static_cast<std::uint64_t>(s * 1e6); };
+    const std::uint64_t local[per_rank] = {held,
+                                           payload,
+                                           received_held,
+                                           received,
+                                           mask,
+                                           fixed,
+                                           micros(detect_s_),
+                                           micros(route_s),
+                                           micros(exchange_s),
+                                           micros(apply_s),
+                                           micros(verify_s)};
+    for (std::size_t k = 0; k < per_rank; ++k)
+      slot(me, k) = local[k];
+    transport_->sum(v, "the report");
+    rep.bytes = v[f_payload];
+    rep.payload_total_bytes = v[f_payload];
+    rep.received_total_bytes = v[f_received];
+    rep.stale_messages = v[f_stale];
+    rep.routed_writes = v[f_written];
+    rep.bytes_to.assign(v.begin() + f_count,
+                        v.begin() + static_cast<std::ptrdiff_t>(f_count + receivers));
+    double* seconds[] = {&rep.detect_s, &rep.route_s, &rep.exchange_s, &rep.apply_s, &rep.verify_s};
+    for (double* s : seconds)
+      *s = 0;
+    for (std::size_t r = 0; r < world; ++r) {
+      // The rank whose extra memory is largest relative to its payload.
+      if (slot(r, 1) > 0 && (rep.sender_payload_bytes == 0 ||
+                             static_cast<double>(slot(r, 0)) * rep.sender_payload_bytes >
+                                 static_cast<double>(rep.sender_extra_bytes) * slot(r, 1))) {
+        rep.sender_extra_bytes = slot(r, 0);
+        rep.sender_payload_bytes = slot(r, 1);
+      }
+      if (slot(r, 2) > rep.receiver_extra_bytes) {
+        rep.receiver_extra_bytes = slot(r, 2);
+        rep.receiver_payload_bytes = slot(r, 3);
+      }
+      rep.sender_mask_bytes = std::max(rep.sender_mask_bytes, slot(r, 4));
+      rep.sender_fixed_bytes = std::max(rep.sender_fixed_bytes, slot(r, 5));
+      for (std::size_t k = 0; k < 5; ++k)
+        *seconds[k] = std::max(*seconds[k], static_cast<double>(slot(r, 6 + k)) * 1e-6);
+    }
+    detect_s_ = 0;
   }
 
-  // Each replica's per-tensor digest (summed over its TP ranks) must equal the trainer's times
-  // the number of copies a replica holds. A receiver that refused the publication gets a full
-  // resync; a tensor that disagrees is resent densely to every receiver holding it.
+  // 3. Per replica and canonical tensor, the receivers' digests must sum to the trainer's times
+  // the copies a replica holds; the sums and the refusals are summed over the world, so every
+  // rank reaches the same verdict and takes part in the same repair.
   template <class Access>
-  void verify_and_repair(const std::vector<ApplyResult>& results, SyncReport& rep, Access& access) {
-    std::vector<bool> resync(receivers_.size(), false);
-    for (std::size_t d = 0; d < receivers_.size(); ++d) {
-      if (!results[d].committed) {
-        resync[d] = true;
-        rep.resynced.push_back(static_cast<std::int64_t>(d));
+  void verify_and_repair(const ApplyResult& applied, SyncReport& rep, Access& access) {
+    (void)applied;
+    const auto& it = recv_layout_->topology();
+    const auto tensors = static_cast<std::size_t>(hf_->size());
+    const auto receivers = static_cast<std::size_t>(transport_->receivers());
+    const auto replicas = static_cast<std::size_t>(it.replicas);
+    auto gather = [&](std::vector<bool>& bad, std::vector<bool>& resync) {
+      std::vector<std::uint64_t> v(replicas * tensors + receivers, 0);
+      if (receiver_) {
+        const std::int64_t r = receiver_->rank();
+        const auto replica = static_cast<std::size_t>(r / it.tp);
+        for (std::size_t t = 0; t < tensors; ++t)
+          v[replica * tensors + t] = receiver_->digest()[t];
+        v[replicas * tensors + static_cast<std::size_t>(r)] =
+            receiver_->version() == version_ ? 0 : 1;
       }
-    }
-    std::vector<bool> bad = mismatched_tensors();
+      transport_->sum(v, "the digest verification");
+      bad = detail::mismatched_tensors(*hf_, *recv_layout_, trainer_digest_, v.data());
+      resync.assign(receivers, false);
+      for (std::size_t d = 0; d < receivers; ++d)
+        resync[d] = v[replicas * tensors + d] != 0;
+    };
+    std::vector<bool> bad, resync;
+    gather(bad, resync);
     const bool any_bad = std::find(bad.begin(), bad.end(), true) != bad.end();
-    if (any_bad || !rep.resynced.empty()) {
+    const bool any_resync = std::find(resync.begin(), resync.end(), true) != resync.end();
+    if (any_bad || any_resync) {
       for (std::size_t t = 0; t < bad.size(); ++t) {
         if (bad[t]) rep.repaired.push_back(hf_->name(static_cast<std::int64_t>(t)));
       }
-      std::vector<std::vector<Payload>> wire;
-      for (Sender& s : senders_)
-        wire.push_back(s.repair(access, bad, resync, version_));
-      std::vector<Inbox> inbox = transport_->exchange(wire);
-      for (Sender& s : senders_)
-        s.release();
-      for (std::size_t d = 0; d < receivers_.size(); ++d) {
-        if (!inbox[d].empty()) receivers_[d].apply(version_, inbox[d]);
+      for (std::size_t d = 0; d < resync.size(); ++d) {
+        if (resync[d]) rep.resynced.push_back(static_cast<std::int64_t>(d));
       }
-      bad = mismatched_tensors();
+      std::vector<Payload> out;
+      if (sender_) out = sender_->repair(access, bad, resync, version_);
+      Inbox inbox = transport_->exchange(out);
+      if (sender_) sender_->release();
+      if (receiver_ && !inbox.empty()) receiver_->apply(version_, inbox);
+      gather(bad, resync);
     }
-    rep.verified = std::find(bad.begin(), bad.end(), true) == bad.end();
-    for (const Receiver& r : receivers_)
-      rep.verified = rep.verified && r.version() == version_;
-  }
-
-  [[nodiscard]] std::vector<bool> mismatched_tensors() const {
-    const auto& it = recv_layout_->topology();
-    const std::size_t tensors = trainer_digest_.size();
-    std::vector<std::uint64_t> sums(static_cast<std::size_t>(it.replicas) * tensors, 0);
-    for (const Receiver& r : receivers_) {
-      const auto replica = static_cast<std::size_t>(r.rank() / it.tp);
-      for (std::size_t t = 0; t < tensors; ++t)
-        sums[replica * tensors + t] += r.digest()[t];
-    }
-    return detail::mismatched_tensors(*hf_, *recv_layout_, trainer_digest_, sums.data());
+    rep.verified = std::find(bad.begin(), bad.end(), true) == bad.end() &&
+                   std::find(resync.begin(), resync.end(), true) == resync.end();
   }
 
   const layout::HfModel* hf_;
   const layout::SglangLayout* recv_layout_;
   Transport* transport_;
-  std::vector<Sender> senders_;
-  std::vector<Receiver> receivers_;
+  std::optional<Sender> sender_;
+  std::optional<Receiver> receiver_;
   std::vector<std::uint64_t> trainer_digest_;
   std::uint64_t dense_bytes_ = 0;
+  double detect_s_ = 0;
+  std::int64_t refused_by_ = -1;
+  std::function<void(int, Version)> hook_;
 };
 
 }  // namespace dte

@@ -1,150 +1,140 @@
 // SPDX-License-Identifier: Apache-2.0
-// SenderRank: everything one trainer rank does for a publication, whatever carries its messages
-// (threads of one process, or MPI processes): the fused pass over its optimizer shard
-// (reconstruct, round, compare with the guard band, digest, route into one chunked message per
-// receiver), the dense-or-indexed choice per (receiver, tensor), the K-step dirty mask, and the
-// dense repair of named tensors.
+// SenderRank: what one trainer rank does for a publication, whatever carries its messages. Its
+// shard is processed in tiles of consecutive offsets, each through the pipeline stages
+// (include/dte/pipeline/): detect (validate, reconstruct, classify, digest, dirty mask: one
+// bit per element) -> compact (offsets and bits of the flagged elements) -> route (through the
+// run table: receiver, receiver tensor, index per copy) -> bucket/encode (appended to one
+// message per receiver, in shard order). Tiles run in parallel on the executor; the encode step
+// runs in tile order, so messages do not depend on the thread count. Memory: the messages, the
+// K-step dirty mask, and tile-sized buffers per executor thread: nothing scales with the model
+// but the mask.
+//
+// Per (receiver, receiver tensor) the elements go as indexed entries or, where the previous
+// publication made a run of all values cheaper, as dense runs (a prediction: a wrong guess costs
+// bytes, never correctness); full publications and repairs are dense.
 #pragma once
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdint>
-#include <optional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "dte/concepts.hpp"
 #include "dte/engine/digest.hpp"
 #include "dte/engine/message.hpp"
+#include "dte/engine/wire.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/plan.hpp"
 #include "dte/layout/sglang.hpp"
-#include "dte/transport/loopback.hpp"
+#include "dte/pipeline/compact.hpp"
+#include "dte/pipeline/detect.hpp"
+#include "dte/pipeline/route.hpp"
+#include "dte/pipeline/runs.hpp"
+#include "dte/transport/payload.hpp"
 
 namespace dte {
 
-// all: send every element (full publication). detect: K = 1, send what this step changed.
-// mark: OR this step's changes into the dirty mask, send nothing. mask: OR the last step in,
-// send everything marked, clear the mask.
-enum class ScanMode { all, detect, mark, mask };
-
 struct ScanResult {
   std::vector<std::uint64_t> digest;  // per canonical tensor, this rank's part (not for mark)
-  std::uint64_t scanned = 0, changed = 0, guard = 0;
+  std::uint64_t scanned = 0, changed = 0, guard = 0, entries = 0;
+  double seconds = 0;
 };
 
-template <optimizer_inverse Inverse, change_detector Detect, class Layout>
+template <optimizer_inverse Inverse, change_detector Detect, transfer_plan Plan, executor Exec>
 class SenderRank {
  public:
-  using Plan = typename layout::plan_for<Layout>::type;
+  using kernel = typename Inverse::kernel;
+  // Shard offsets per tile: the unit of parallel work and of every per-thread buffer.
+  static constexpr std::int64_t tile = std::int64_t{1} << 16;
 
   SenderRank(const layout::HfModel& hf, const layout::TrainTopology& train,
-             const layout::SglangLayout& receivers, std::int64_t rank, bool keep_mask)
-      : hf_(&hf), recv_(&receivers), rank_(rank), plan_(hf, train, receivers, rank) {
+             const layout::SglangLayout& receivers, std::int64_t rank, bool keep_mask, Exec exec)
+      : hf_(&hf),
+        recv_(&receivers),
+        rank_(rank),
+        plan_(hf, train, receivers, rank),
+        table_(plan_, hf, receivers),
+        exec_(exec) {
     const auto n_receivers = static_cast<std::size_t>(receivers.topology().ranks());
     writers_.resize(n_receivers);
-    if (keep_mask) {
-      for (layout::BufferKind b : {layout::BufferKind::dense, layout::BufferKind::expert}) {
-        masks_[static_cast<int>(b)].assign(
-            (static_cast<std::size_t>(plan_.shard_size(b)) + 63) / 64, 0);
+    for (layout::BufferKind b : buffers) {
+      if (keep_mask) {
+        masks_[idx(b)].assign((static_cast<std::size_t>(plan_.shard_size(b)) + 63) / 64, 0);
       }
+      // The first run of every tile.
+      const auto runs = table_.runs(b);
+      const std::int64_t tiles = (plan_.shard_size(b) + tile - 1) / tile;
+      std::size_t r = 0;
+      for (std::int64_t t = 0; t < tiles; ++t) {
+        while (r < runs.size() && runs[r].shard_begin + runs[r].length <= t * tile)
+          ++r;
+        tile_run_[idx(b)].push_back(static_cast<std::uint32_t>(r));
+      }
+      tile_run_[idx(b)].push_back(static_cast<std::uint32_t>(runs.size()));
     }
     // How many elements this rank contributes to each (receiver, tensor), in how many runs.
     const std::size_t cells = n_receivers * static_cast<std::size_t>(receivers.size());
     contributed_.assign(cells, 0);
-    runs_.assign(cells, 0);
+    run_count_.assign(cells, 0);
     dense_.assign(cells, 0);
-    walk_runs(
-        [&](layout::BufferKind, std::int64_t, std::int64_t len, const layout::RouteTarget& t) {
-          contributed_[cell(t)] += static_cast<std::uint64_t>(len);
-          ++runs_[cell(t)];
-        });
+    for (layout::BufferKind b : buffers) {
+      for (const pipeline::Run& run : table_.runs(b)) {
+        for (const pipeline::RunTarget& t : table_.targets(run)) {
+          contributed_[cell(t.rank, t.tensor)] += static_cast<std::uint64_t>(run.length);
+          ++run_count_[cell(t.rank, t.tensor)];
+        }
+      }
+    }
+    scratch_.resize(static_cast<std::size_t>(std::max(1, exec_.threads())));
   }
 
   [[nodiscard]] std::int64_t rank() const noexcept { return rank_; }
   [[nodiscard]] const Plan& plan() const noexcept { return plan_; }
+  [[nodiscard]] const pipeline::RunTable& runs() const noexcept { return table_; }
 
-  // The fused pass over this rank's shard. Throws (from Inverse::bind) before any message is
-  // complete when the optimizer state is refused.
+  // The staged pass over this rank's shard. Throws (invalid_argument or unsupported, from
+  // Inverse::bind) when the optimizer state is refused; nothing is then complete.
   template <class Access>
-  ScanResult scan(Access& access, ScanMode mode) {
+  ScanResult scan(const Access& access, pipeline::ScanMode mode) {
+    const auto t0 = std::chrono::steady_clock::now();
+    using pipeline::ScanMode;
     ScanResult out;
     if (mode != ScanMode::mark) {
       out.digest.assign(static_cast<std::size_t>(hf_->size()), 0);
       begin_messages();
     }
-    // Dense this time: everything for a full publication; otherwise where the last
-    // publication's changes made runs of all values cheaper than indexed entries (a prediction:
-    // a wrong guess costs bytes, never correctness).
     if (mode == ScanMode::all) {
       for (std::size_t x = 0; x < dense_.size(); ++x)
         dense_[x] = contributed_[x] > 0;
     }
     std::vector<std::uint64_t> flagged(contributed_.size(), 0);
-    for (layout::BufferKind b : {layout::BufferKind::dense, layout::BufferKind::expert}) {
-      for (const layout::PlanSegment& s : plan_.segments(b)) {
-        if (!s.sender) {
-          // TP replicas of replicated tensors are never sent, but their state is still
-          // validated: a NaN anywhere in the optimizer state refuses the publication.
-          if (mode != ScanMode::all) (void)access.kernel(rank_, b, s);
-          continue;
-        }
-        const std::span<const float> theta = access.theta(rank_, b);
-        std::optional<typename Inverse::kernel> k;
-        if (mode != ScanMode::all) k.emplace(access.kernel(rank_, b, s));
-        const auto& p = plan_.params()[static_cast<std::size_t>(s.param)];
-        for (std::int64_t i = 0; i < s.length; ++i) {
-          const layout::Canonical c = plan_.mapping()(p, s.param_begin + i);
-          if (c.tensor < 0) continue;  // vocabulary padding
-          const std::int64_t offset = s.shard_begin + i;
-          const float now = theta[static_cast<std::size_t>(offset)];
-          bool send = mode == ScanMode::all;
-          if (mode != ScanMode::all) {
-            const Verdict v = Detect::classify(now, (*k)(static_cast<std::size_t>(i)));
-            const bool hit = v != Verdict::unchanged;
-            out.guard += v == Verdict::guard;
-            if (mode == ScanMode::detect) {
-              send = hit;
-            } else {
-              std::vector<std::uint64_t>& m = masks_[static_cast<int>(b)];
-              const std::size_t w = static_cast<std::size_t>(offset) / 64;
-              const std::uint64_t bit = 1ull << (offset % 64);
-              if (hit) m[w] |= bit;
-              if (mode == ScanMode::mask) {
-                send = (m[w] & bit) != 0;
-                m[w] &= ~bit;
-              }
-            }
-          }
-          if (mode == ScanMode::mark) continue;
-          ++out.scanned;
-          const std::uint16_t bits = Detect::store(now);
-          out.digest[static_cast<std::size_t>(c.tensor)] +=
-              element_digest((*hf_)[c.tensor].base + c.index, bits);
-          if (!send) continue;
-          ++out.changed;
-          plan_.route(b, offset, [&](const layout::RouteTarget& t) {
-            const std::size_t x = cell(t);
-            ++flagged[x];
-            if (!dense_[x]) {
-              writers_[static_cast<std::size_t>(t.rank)].add(
-                  static_cast<std::uint32_t>(t.tensor), static_cast<std::uint32_t>(t.index), bits);
-            }
-          });
-        }
+    for (layout::BufferKind b : buffers) {
+      if (mode != ScanMode::all) bind(access, b);
+      scan_buffer(access, b, mode, out, flagged);
+      if (invalid_segment_ >= 0) {
+        refuse(access, b);  // throws
       }
     }
-    if (mode == ScanMode::mark) return out;
-    emit_dense_runs(access);
-    for (std::size_t x = 0; x < dense_.size(); ++x) {
-      // A full publication says nothing about the next delta: start sparse after it.
-      dense_[x] = mode != ScanMode::all && flagged[x] * 10 > contributed_[x] * 2 + runs_[x] * 12;
+    if (mode != ScanMode::mark) {
+      if (mode != ScanMode::all) emit_dense_runs(access);
+      for (std::size_t x = 0; x < dense_.size(); ++x) {
+        // Bytes (docs/wire.md): an indexed entry costs 2.1 to 3.6 (2.3 near 90% density), a
+        // dense element 2, a group header 20; dense pays only above ~87% of the elements. A
+        // full publication says nothing about the next delta: start sparse after it.
+        dense_[x] =
+            mode != ScanMode::all && flagged[x] * 23 > contributed_[x] * 20 + run_count_[x] * 200;
+      }
     }
+    out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return out;
   }
 
   // Starts empty messages (header only): for a no-op version.
   void begin_messages() {
-    for (MessageWriter& w : writers_)
+    for (wire::MessageWriter& w : writers_)
       w.begin();
   }
 
@@ -157,7 +147,7 @@ class SenderRank {
   // header, so every receiver checks the version chain against every sender).
   std::vector<Payload> finish(MessageKind kind, Version version, Version base) {
     std::vector<Payload> out;
-    for (MessageWriter& w : writers_) {
+    for (wire::MessageWriter& w : writers_) {
       w.finish(kind, version, base);
       out.push_back(w.spans());
     }
@@ -165,149 +155,311 @@ class SenderRank {
   }
 
   void release() {
-    for (MessageWriter& w : writers_)
+    for (wire::MessageWriter& w : writers_)
       w.clear();
   }
 
   [[nodiscard]] std::uint64_t payload_bytes() const noexcept {
     std::uint64_t n = 0;
-    for (const MessageWriter& w : writers_)
+    for (const wire::MessageWriter& w : writers_)
       n += w.size();
     return n;
   }
   [[nodiscard]] std::uint64_t held_bytes() const noexcept {
-    std::uint64_t n = mask_bytes();
-    for (const MessageWriter& w : writers_)
+    std::uint64_t n = mask_bytes() + scratch_bytes();
+    for (const wire::MessageWriter& w : writers_)
       n += w.capacity();
     return n;
   }
   [[nodiscard]] std::uint64_t mask_bytes() const noexcept {
     return 8 * (masks_[0].size() + masks_[1].size());
   }
-  // A partly filled chunk per receiver, the digest per tensor, the encoding-choice tables.
+  // Bounded by the plan, not by what changed: a partly filled chunk per receiver, the tables,
+  // the kernels and the tile buffers of every executor thread.
   [[nodiscard]] std::uint64_t fixed_bytes() const noexcept {
-    return MessageWriter::chunk_bytes * writers_.size() +
-           8 * static_cast<std::uint64_t>(hf_->size()) +
-           25 * static_cast<std::uint64_t>(contributed_.size());
+    return wire::MessageWriter::chunk_bytes * writers_.size() +
+           8 * static_cast<std::uint64_t>(hf_->size()) + 25 * contributed_.size() + table_.bytes() +
+           sizeof(kernel) * (kernels_[0].capacity() + kernels_[1].capacity()) + scratch_bytes();
   }
 
   // Repair messages: every element of the bad canonical tensors to every receiver holding it,
-  // and everything to the receivers that must resync; current values. Kind repair, or full for
-  // a resyncing receiver; an empty repair is an empty payload.
+  // and everything to the receivers that must resync; current values, as dense runs. Kind
+  // repair, or full for a resyncing receiver; an empty repair is an empty payload.
   template <class Access>
-  std::vector<Payload> repair(Access& access, const std::vector<bool>& bad,
+  std::vector<Payload> repair(const Access& access, const std::vector<bool>& bad,
                               const std::vector<bool>& resync, Version version) {
-    for (MessageWriter& w : writers_)
-      w.begin();
-    for (layout::BufferKind b : {layout::BufferKind::dense, layout::BufferKind::expert}) {
+    begin_messages();
+    std::vector<std::uint16_t> bits;
+    for (layout::BufferKind b : buffers) {
       const std::span<const float> theta = access.theta(rank_, b);
-      for (const layout::PlanSegment& s : plan_.segments(b)) {
-        if (!s.sender) continue;
-        const auto& p = plan_.params()[static_cast<std::size_t>(s.param)];
-        for (std::int64_t i = 0; i < s.length; ++i) {
-          const layout::Canonical c = plan_.mapping()(p, s.param_begin + i);
-          if (c.tensor < 0) continue;
-          const bool tensor_bad = bad[static_cast<std::size_t>(c.tensor)];
-          const std::uint16_t bits =
-              Detect::store(theta[static_cast<std::size_t>(s.shard_begin + i)]);
-          plan_.route(b, s.shard_begin + i, [&](const layout::RouteTarget& t) {
-            if (tensor_bad || resync[static_cast<std::size_t>(t.rank)]) {
-              writers_[static_cast<std::size_t>(t.rank)].add(
-                  static_cast<std::uint32_t>(t.tensor), static_cast<std::uint32_t>(t.index), bits);
-            }
-          });
+      for (const pipeline::Run& run : table_.runs(b)) {
+        if (!run.sender || run.tensor < 0) continue;
+        const bool tensor_bad = bad[static_cast<std::size_t>(run.tensor)];
+        for (const pipeline::RunTarget& t : table_.targets(run)) {
+          if (tensor_bad || resync[t.rank]) emit_run(theta, run, t, bits);
         }
       }
     }
     std::vector<Payload> out;
     for (std::size_t d = 0; d < writers_.size(); ++d) {
-      MessageWriter& w = writers_[d];
+      wire::MessageWriter& w = writers_[d];
       w.finish(resync[d] ? MessageKind::full : MessageKind::repair, version, no_version);
-      out.push_back(w.entries() == 0 && !resync[d] ? Payload{} : w.spans());
+      const bool empty = w.entries() == 0 && w.run_elements() == 0 && !resync[d];
+      out.push_back(empty ? Payload{} : w.spans());
     }
     return out;
   }
 
  private:
-  [[nodiscard]] std::size_t cell(const layout::RouteTarget& t) const noexcept {
-    return static_cast<std::size_t>(t.rank) * static_cast<std::size_t>(recv_->size()) +
-           static_cast<std::size_t>(t.tensor);
+  static constexpr layout::BufferKind buffers[2] = {layout::BufferKind::dense,
+                                                    layout::BufferKind::expert};
+  static int idx(layout::BufferKind b) noexcept { return static_cast<int>(b); }
+
+  // One executor thread's tile buffers (reused tile after tile).
+  struct Scratch {
+    std::vector<std::uint64_t> words;    // one bit per tile offset: send
+    std::vector<std::uint32_t> offsets;  // compacted, tile-relative
+    std::vector<std::uint16_t> bits;     // their 16-bit values (full: every value)
+    pipeline::RoutedEntries routed;
+    std::vector<std::pair<std::int32_t, std::uint64_t>> digest;  // (canonical tensor, sum)
+    pipeline::DetectCounts counts;
+    std::uint64_t scanned = 0;
+    std::int32_t invalid_segment = -1;
+
+    [[nodiscard]] std::size_t bytes() const noexcept {
+      return words.capacity() * 8 + offsets.capacity() * 4 + bits.capacity() * 2 + routed.bytes() +
+             digest.capacity() * 16;
+    }
+  };
+
+  [[nodiscard]] std::uint64_t scratch_bytes() const noexcept {
+    std::uint64_t n = 0;
+    for (const Scratch& s : scratch_)
+      n += s.bytes();
+    return n;
   }
 
-  // Calls f(buffer, shard offset, length, target) for every maximal run of this rank's sender
-  // elements that lands contiguously in one receiver tensor (every replica's copy); pieces that
-  // continue the previous run of the same receiver are merged into it.
-  template <class F>
-  void walk_runs(F&& f) const {
-    struct Pending {
-      layout::BufferKind b;
-      std::int64_t offset = 0, len = 0;
-      layout::RouteTarget t{};
+  [[nodiscard]] std::size_t cell(std::uint32_t rank, std::uint32_t tensor) const noexcept {
+    return static_cast<std::size_t>(rank) * static_cast<std::size_t>(recv_->size()) + tensor;
+  }
+
+  [[nodiscard]] std::string label(const layout::PlanSegment& s) const {
+    return "trainer rank " + std::to_string(rank_) + " " +
+           std::string(plan_.params()[static_cast<std::size_t>(s.param)].name());
+  }
+
+  // The inverse of every segment of buffer b, without the pass over the elements (the detect
+  // stage checks each element as it reads it).
+  template <class Access>
+  void bind(const Access& access, layout::BufferKind b) {
+    auto& ks = kernels_[idx(b)];
+    ks.clear();
+    const std::span<const float> theta = access.theta(rank_, b);
+    for (const layout::PlanSegment& s : plan_.segments(b)) {
+      const auto part = theta.subspan(static_cast<std::size_t>(s.shard_begin),
+                                      static_cast<std::size_t>(s.length));
+      ks.push_back(Inverse::bind_unchecked(access.hyperparameters(rank_, b, s), part,
+                                           access.state(rank_, b, s), label(s)));
+    }
+  }
+
+  // A segment's state was refused by the detect stage: bind with every check, which throws
+  // the message a user can act on.
+  template <class Access>
+  [[noreturn]] void refuse(const Access& access, layout::BufferKind b) {
+    const layout::PlanSegment& s = plan_.segments(b)[static_cast<std::size_t>(invalid_segment_)];
+    invalid_segment_ = -1;
+    const std::span<const float> theta = access.theta(rank_, b).subspan(
+        static_cast<std::size_t>(s.shard_begin), static_cast<std::size_t>(s.length));
+    (void)Inverse::bind(access.hyperparameters(rank_, b, s), theta, access.state(rank_, b, s),
+                        label(s));
+    throw invalid_argument(label(s) + ": the optimizer state failed an element check that " +
+                           std::string(Inverse::name) +
+                           "::bind accepts; report this to the "
+                           "dte developers");
+  }
+
+  template <class Access>
+  void scan_buffer(const Access& access, layout::BufferKind b, pipeline::ScanMode mode,
+                   ScanResult& out, std::vector<std::uint64_t>& flagged) {
+    using pipeline::ScanMode;
+    const std::int64_t size = plan_.shard_size(b);
+    if (size == 0) return;
+    const std::span<const float> theta = access.theta(rank_, b);
+    const auto tiles = static_cast<std::size_t>((size + tile - 1) / tile);
+    const auto runs = table_.runs(b);
+    const auto& segs = plan_.segments(b);
+    const auto& ks = kernels_[idx(b)];
+    std::uint64_t* mask = masks_[idx(b)].empty() ? nullptr : masks_[idx(b)].data();
+    std::atomic<bool> stop{false};  // a refusal: later tiles need not be looked at
+
+    auto par = [&](std::size_t t, int worker) {
+      Scratch& s = scratch_[static_cast<std::size_t>(worker)];
+      s.counts = {};
+      s.scanned = 0;
+      s.invalid_segment = -1;
+      s.digest.clear();
+      s.routed.clear();
+      if (stop.load(std::memory_order_relaxed)) return;
+      const std::int64_t begin = static_cast<std::int64_t>(t) * tile;
+      const std::int64_t end = std::min(size, begin + tile);
+      const auto n = static_cast<std::size_t>(end - begin);
+      s.words.assign((n + 63) / 64, 0);
+      if (mode == ScanMode::all) s.bits.resize(n);
+      for (std::uint32_t r = tile_run_[idx(b)][t]; r < runs.size(); ++r) {
+        const pipeline::Run& run = runs[r];
+        if (run.shard_begin >= end) break;
+        const std::int64_t lo = std::max(begin, run.shard_begin);
+        const std::int64_t hi = std::min(end, run.shard_begin + run.length);
+        const bool send = run.sender && run.tensor >= 0;
+        const std::int64_t canonical = send ? run.canonical + (lo - run.shard_begin) : -1;
+        const auto len = static_cast<std::size_t>(hi - lo);
+        std::uint64_t digest = 0;
+        if (mode == ScanMode::all) {
+          if (!send) continue;
+          const float* x = theta.data() + lo;
+          std::uint16_t* bits = s.bits.data() + (lo - begin);
+          for (std::size_t j = 0; j < len; ++j)
+            bits[j] = Detect::store(x[j]);
+          for (std::size_t j = 0; j < len; ++j)
+            digest += element_digest(canonical + static_cast<std::int64_t>(j), bits[j]);
+          s.scanned += len;
+        } else {
+          const layout::PlanSegment& seg = segs[static_cast<std::size_t>(run.segment)];
+          const pipeline::Piece piece{static_cast<std::size_t>(lo - seg.shard_begin), len,
+                                      canonical, send};
+          const pipeline::DetectCounts c =
+              pipeline::detect<Detect>(exec_, ks[static_cast<std::size_t>(run.segment)], piece,
+                                       mode, mask, static_cast<std::uint64_t>(lo), s.words.data(),
+                                       static_cast<std::uint64_t>(lo - begin));
+          if (c.invalid >= 0) {
+            s.invalid_segment = run.segment;
+            return;
+          }
+          s.counts += c;
+          digest = c.digest;
+          if (send && mode != ScanMode::mark) s.scanned += len;
+        }
+        if (send && mode != ScanMode::mark) {
+          if (!s.digest.empty() && s.digest.back().first == run.tensor) {
+            s.digest.back().second += digest;
+          } else {
+            s.digest.emplace_back(run.tensor, digest);
+          }
+        }
+      }
+      if (mode == ScanMode::mark || mode == ScanMode::all) return;
+      // compact, then route (only the flagged elements)
+      s.offsets.resize(n);
+      s.bits.resize(n);
+      const std::size_t k = pipeline::compact<Detect>(s.words.data(), n, theta.data() + begin,
+                                                      s.offsets.data(), s.bits.data());
+      const std::uint32_t first = tile_run_[idx(b)][t];
+      const std::uint32_t last = tile_run_[idx(b)][t + 1];
+      const std::uint32_t stop_run =
+          std::min<std::uint32_t>(static_cast<std::uint32_t>(runs.size()), last + 1);
+      pipeline::route(table_, runs.subspan(first, stop_run - first), begin,
+                      std::span(s.offsets).first(k), std::span(s.bits).first(k), s.routed);
     };
-    std::vector<Pending> pending(writers_.size());
-    auto piece = [&](layout::BufferKind b, std::int64_t offset, std::int64_t len,
-                     const layout::RouteTarget& t) {
-      Pending& p = pending[static_cast<std::size_t>(t.rank)];
-      if (p.len > 0 && p.b == b && p.t.tensor == t.tensor && p.offset + p.len == offset &&
-          p.t.index + p.len == t.index) {
-        p.len += len;
+
+    auto ser = [&](std::size_t t, int worker) {
+      Scratch& s = scratch_[static_cast<std::size_t>(worker)];
+      if (stop.load(std::memory_order_relaxed)) return;
+      if (s.invalid_segment >= 0) {
+        invalid_segment_ = s.invalid_segment;
+        stop.store(true, std::memory_order_relaxed);
         return;
       }
-      if (p.len > 0) f(p.b, p.offset, p.len, p.t);
-      p = {b, offset, len, t};
+      out.scanned += s.scanned;
+      out.guard += s.counts.guard;
+      for (const auto& [tensor, d] : s.digest)
+        out.digest[static_cast<std::size_t>(tensor)] += d;
+      if (mode == ScanMode::mark) return;
+      if (mode == ScanMode::all) {
+        emit_tile_runs(b, t, s);
+        return;
+      }
+      out.changed += s.counts.flagged;
+      // encode, in shard order
+      const pipeline::RoutedEntries& e = s.routed;
+      for (std::size_t i = 0; i < e.size(); ++i) {
+        const std::size_t x = cell(e.rank[i], e.tensor[i]);
+        ++flagged[x];
+        if (dense_[x]) continue;
+        writers_[e.rank[i]].add(e.tensor[i], e.index[i], e.bits[i]);
+        ++out.entries;
+      }
     };
-    for (layout::BufferKind b : {layout::BufferKind::dense, layout::BufferKind::expert}) {
-      for (const layout::PlanSegment& s : plan_.segments(b)) {
-        if (!s.sender) continue;
-        const auto& p = plan_.params()[static_cast<std::size_t>(s.param)];
-        for (std::int64_t pos = 0; pos < s.length;) {
-          const std::int64_t local = s.param_begin + pos;
-          const std::int64_t row_left = p.cols == 0 ? p.numel() - local : p.cols - local % p.cols;
-          std::int64_t n = std::min(s.length - pos, row_left);
-          const layout::Canonical c = plan_.mapping()(p, local);
-          if (c.tensor >= 0) {
-            n = std::min({n, (*hf_)[c.tensor].numel() - c.index, recv_->contiguous(c)});
-            layout::route_canonical(*recv_, c, [&](const layout::RouteTarget& t) {
-              piece(b, s.shard_begin + pos, n, t);
-            });
-          }
-          pos += n;
+    exec_.for_each_ordered(tiles, par, ser);
+    if (mode == ScanMode::all) {
+      for (const pipeline::Run& run : runs) {
+        if (run.sender && run.tensor >= 0) out.changed += static_cast<std::uint64_t>(run.length);
+      }
+    }
+  }
+
+  // A full publication: tile t's pieces of every run, as dense runs to every copy.
+  void emit_tile_runs(layout::BufferKind b, std::size_t t, const Scratch& s) {
+    const auto runs = table_.runs(b);
+    const std::int64_t begin = static_cast<std::int64_t>(t) * tile;
+    const std::int64_t end = std::min(plan_.shard_size(b), begin + tile);
+    for (std::uint32_t r = tile_run_[idx(b)][t]; r < runs.size(); ++r) {
+      const pipeline::Run& run = runs[r];
+      if (run.shard_begin >= end) break;
+      if (!run.sender || run.tensor < 0) continue;
+      const std::int64_t lo = std::max(begin, run.shard_begin);
+      const std::int64_t hi = std::min(end, run.shard_begin + run.length);
+      const auto delta = static_cast<std::uint32_t>(lo - run.shard_begin);
+      const std::span<const std::uint16_t> bits(s.bits.data() + (lo - begin),
+                                                static_cast<std::size_t>(hi - lo));
+      for (const pipeline::RunTarget& target : table_.targets(run)) {
+        writers_[target.rank].add_run(target.tensor, target.index + delta, bits);
+      }
+    }
+  }
+
+  // One run's current values to one copy, as dense runs of at most a tile.
+  void emit_run(std::span<const float> theta, const pipeline::Run& run,
+                const pipeline::RunTarget& t, std::vector<std::uint16_t>& bits) {
+    for (std::int64_t at = 0; at < run.length; at += tile) {
+      const std::int64_t n = std::min(tile, run.length - at);
+      bits.resize(static_cast<std::size_t>(n));
+      const float* x = theta.data() + run.shard_begin + at;
+      for (std::int64_t j = 0; j < n; ++j)
+        bits[static_cast<std::size_t>(j)] = Detect::store(x[j]);
+      writers_[t.rank].add_run(t.tensor, t.index + static_cast<std::uint32_t>(at), bits);
+    }
+  }
+
+  // The dense part of a delta: every element of each dense (receiver, tensor) pair.
+  template <class Access>
+  void emit_dense_runs(const Access& access) {
+    if (std::find(dense_.begin(), dense_.end(), std::uint8_t{1}) == dense_.end()) return;
+    std::vector<std::uint16_t> bits;
+    for (layout::BufferKind b : buffers) {
+      const std::span<const float> theta = access.theta(rank_, b);
+      for (const pipeline::Run& run : table_.runs(b)) {
+        for (const pipeline::RunTarget& t : table_.targets(run)) {
+          if (dense_[cell(t.rank, t.tensor)]) emit_run(theta, run, t, bits);
         }
       }
     }
-    for (const Pending& p : pending) {
-      if (p.len > 0) f(p.b, p.offset, p.len, p.t);
-    }
-  }
-
-  // The dense part of the messages: every element of each dense (receiver, tensor) pair as
-  // runs of current values.
-  template <class Access>
-  void emit_dense_runs(Access& access) {
-    if (std::find(dense_.begin(), dense_.end(), std::uint8_t{1}) == dense_.end()) return;
-    std::vector<std::uint16_t> bits;
-    walk_runs([&](layout::BufferKind b, std::int64_t offset, std::int64_t len,
-                  const layout::RouteTarget& t) {
-      if (!dense_[cell(t)]) return;
-      const std::span<const float> theta = access.theta(rank_, b);
-      bits.resize(static_cast<std::size_t>(len));
-      for (std::int64_t i = 0; i < len; ++i) {
-        bits[static_cast<std::size_t>(i)] =
-            Detect::store(theta[static_cast<std::size_t>(offset + i)]);
-      }
-      writers_[static_cast<std::size_t>(t.rank)].add_run(static_cast<std::uint32_t>(t.tensor),
-                                                         static_cast<std::uint32_t>(t.index), bits);
-    });
   }
 
   const layout::HfModel* hf_;
   const layout::SglangLayout* recv_;
   std::int64_t rank_;
   Plan plan_;
-  std::vector<std::uint64_t> masks_[2];            // K > 1: one bit per shard element, per buffer
-  std::vector<MessageWriter> writers_;             // one per receiver
-  std::vector<std::uint64_t> contributed_, runs_;  // per receiver * receiver tensor
+  pipeline::RunTable table_;
+  Exec exec_;
+  std::vector<std::uint32_t> tile_run_[2];    // per buffer: the first run of each tile (+ end)
+  std::vector<kernel> kernels_[2];            // per buffer: the inverse of each plan segment
+  std::vector<std::uint64_t> masks_[2];       // K > 1: one bit per shard element, per buffer
+  std::vector<wire::MessageWriter> writers_;  // one per receiver
+  std::vector<std::uint64_t> contributed_, run_count_;  // per receiver * receiver tensor
   std::vector<std::uint8_t> dense_;
+  std::vector<Scratch> scratch_;
+  std::int32_t invalid_segment_ = -1;
 };
 
 }  // namespace dte

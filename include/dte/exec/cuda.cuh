@@ -35,7 +35,8 @@
 #include "dte/concepts.hpp"
 #include "dte/config.hpp"
 #include "dte/error.hpp"
-#include "dte/optim/reconstruction.hpp"
+#include "dte/numeric/fp32.hpp"
+#include "dte/reconstruction.hpp"
 
 namespace dte {
 

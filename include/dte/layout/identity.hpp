@@ -32,9 +32,12 @@ struct HfParam {
   [[nodiscard]] const std::string& name() const noexcept { return label; }
 };
 
+class IdentityPlan;
+
 class Identity {
  public:
   using layout_mapping_tag = void;
+  using plan_type = IdentityPlan;
   using param_type = HfParam;
   using canonical_type = Canonical;
 
@@ -43,7 +46,6 @@ class Identity {
   }
   [[nodiscard]] bool is_sender(const HfParam&) const noexcept { return true; }
 };
-static_assert(layout_mapping<Identity>);
 
 class IdentityPlan {
  public:
@@ -92,11 +94,6 @@ class IdentityPlan {
   std::vector<HfParam> params_;
   std::vector<PlanSegment> segments_[2];
   std::int64_t size_ = 0;
-};
-
-template <>
-struct plan_for<Identity> {
-  using type = IdentityPlan;
 };
 
 }  // namespace dte::layout

@@ -164,9 +164,12 @@ inline std::vector<MegatronParam> megatron_params(const ModelSpec& m, const Trai
 // Megatron (TP/EP-local parameter, flat index) <-> HF canonical element, for one rank.
 // Replicated parameters (norms, router) map on every TP rank; is_sender() picks TP rank 0 so
 // that each canonical element has exactly one source.
+class TransferPlan;
+
 class MegatronToHF {
  public:
   using layout_mapping_tag = void;
+  using plan_type = TransferPlan;  // layout/plan.hpp
   using param_type = MegatronParam;
   using canonical_type = Canonical;
 

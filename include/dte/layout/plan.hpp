@@ -12,12 +12,11 @@
 #include "dte/layout/dist_optimizer.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/megatron.hpp"
+#include "dte/layout/segment.hpp"
 #include "dte/layout/sglang.hpp"
 #include "dte/layout/topology.hpp"
 
 namespace dte::layout {
-
-enum class BufferKind : std::uint8_t { dense = 0, expert = 1 };
 
 // The two distributed-optimizer buffers of one rank ([0] dense, [1] expert) and the slices of
 // each that this rank owns, in shard order.
@@ -54,14 +53,6 @@ struct RouteTarget {
   std::int64_t rank;
   std::int64_t tensor;
   std::int64_t index;
-};
-
-struct PlanSegment {
-  std::int64_t shard_begin;  // offset in the rank's shard of this buffer
-  std::int64_t length;
-  std::int64_t param_begin;  // flat index in the parameter of the first element
-  std::int32_t param;        // index into params()
-  bool sender;               // false for TP replicas of replicated tensors (not sent)
 };
 
 // The segment of `segs` (sorted by shard_begin) holding shard offset o, or nullptr.
@@ -176,14 +167,6 @@ class TransferPlan {
   std::vector<MegatronParam> params_;
   std::vector<PlanSegment> segments_[2];
   std::int64_t shard_size_[2] = {0, 0};
-};
-
-// The plan type a LayoutMapping routes with.
-template <class Layout>
-struct plan_for;
-template <>
-struct plan_for<MegatronToHF> {
-  using type = TransferPlan;
 };
 
 }  // namespace dte::layout

@@ -26,9 +26,10 @@
 #include "dte/concepts.hpp"
 #include "dte/config.hpp"
 #include "dte/error.hpp"
+#include "dte/numeric/fp32.hpp"
 #include "dte/numeric/round.hpp"
-#include "dte/optim/reconstruction.hpp"
 #include "dte/optim/validate.hpp"
+#include "dte/reconstruction.hpp"
 
 namespace dte {
 
@@ -105,6 +106,13 @@ struct AdamFamilyKernel {
   DTE_HOST_DEVICE Reconstruction operator()(std::size_t i) const noexcept {
     return reconstruct(theta[i], exp_avg[i], exp_avg_sq[i]);
   }
+  // What bind checks per element: theta, m, v finite and v >= 0 (-0 included).
+  DTE_HOST_DEVICE bool valid(std::size_t i) const noexcept {
+    const std::uint32_t v = float_bits(exp_avg_sq[i]);
+    return (float_bits(theta[i]) & 0x7FFFFFFFu) < 0x7F800000u &&
+           (float_bits(exp_avg[i]) & 0x7FFFFFFFu) < 0x7F800000u &&
+           (v < 0x7F800000u || v == 0x80000000u);
+  }
 
   DTE_HOST_DEVICE Reconstruction reconstruct(float p, float m, float v) const noexcept {
     if (identity) {
@@ -154,9 +162,12 @@ inline double bias_correction_spread(double beta, std::int64_t step) {
   return std::abs(from_float - exact) / exact + 4.0 * unit_roundoff * power / exact + unit_roundoff;
 }
 
+// check_elements = false leaves the per-element checks (NaN/Inf, negative exp_avg_sq) to the
+// caller's pass over the data (AdamFamilyKernel::valid), as the engine's detect pass does.
 inline AdamFamilyKernel make_adam_kernel(std::string_view policy, bool decoupled,
                                          const AdamHyperparameters& h, std::span<const float> theta,
-                                         const AdamState& state, std::string_view tensor) {
+                                         const AdamState& state, std::string_view tensor,
+                                         bool check_elements = true) {
   const std::string who(policy);
   const std::string where = tensor_label(tensor);
   // Hyperparameters first: they are cheap to check and explain most mistakes.
@@ -197,10 +208,12 @@ inline AdamFamilyKernel make_adam_kernel(std::string_view policy, bool decoupled
   }
   require_same_length(who, tensor, "theta", theta.size(), "exp_avg", state.exp_avg.size());
   require_same_length(who, tensor, "theta", theta.size(), "exp_avg_sq", state.exp_avg_sq.size());
-  require_finite(who, tensor, "theta", theta);
-  require_finite(who, tensor, "exp_avg", state.exp_avg);
-  require_finite(who, tensor, "exp_avg_sq", state.exp_avg_sq);
-  require_non_negative(who, tensor, "exp_avg_sq", state.exp_avg_sq);
+  if (check_elements) {
+    require_finite(who, tensor, "theta", theta);
+    require_finite(who, tensor, "exp_avg", state.exp_avg);
+    require_finite(who, tensor, "exp_avg_sq", state.exp_avg_sq);
+    require_non_negative(who, tensor, "exp_avg_sq", state.exp_avg_sq);
+  }
 
   const double u = unit_roundoff;
   const double eta = 0.5 * min_subnormal;  // largest absolute error of an underflowing op
@@ -275,6 +288,12 @@ struct AdamWInverse {
                      std::string_view tensor = {}) {
     return detail::make_adam_kernel(name, true, h, theta, s, tensor);
   }
+  // bind without the pass over the elements: the caller checks kernel.valid(i) for every
+  // element it reads (the engine's detect pass does) and calls bind() to report a refusal.
+  static kernel bind_unchecked(const hyperparameters& h, std::span<const float> theta,
+                               const state& s, std::string_view tensor = {}) {
+    return detail::make_adam_kernel(name, true, h, theta, s, tensor, false);
+  }
 };
 
 // Inverse of one Adam step whose weight decay was added to the gradient (L2, ADAM_MODE_0).
@@ -288,6 +307,12 @@ struct AdamInverse {
   static kernel bind(const hyperparameters& h, std::span<const float> theta, const state& s,
                      std::string_view tensor = {}) {
     return detail::make_adam_kernel(name, false, h, theta, s, tensor);
+  }
+  // bind without the pass over the elements: the caller checks kernel.valid(i) for every
+  // element it reads (the engine's detect pass does) and calls bind() to report a refusal.
+  static kernel bind_unchecked(const hyperparameters& h, std::span<const float> theta,
+                               const state& s, std::string_view tensor = {}) {
+    return detail::make_adam_kernel(name, false, h, theta, s, tensor, false);
   }
 };
 

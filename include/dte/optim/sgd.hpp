@@ -19,9 +19,10 @@
 #include "dte/concepts.hpp"
 #include "dte/config.hpp"
 #include "dte/error.hpp"
+#include "dte/numeric/fp32.hpp"
 #include "dte/optim/adam.hpp"
-#include "dte/optim/reconstruction.hpp"
 #include "dte/optim/validate.hpp"
+#include "dte/reconstruction.hpp"
 
 namespace dte {
 
@@ -55,6 +56,10 @@ struct SgdMomentumKernel {
   DTE_HOST_DEVICE Reconstruction operator()(std::size_t i) const noexcept {
     return reconstruct(theta[i], buffer[i]);
   }
+  DTE_HOST_DEVICE bool valid(std::size_t i) const noexcept {
+    return (float_bits(theta[i]) & 0x7FFFFFFFu) < 0x7F800000u &&
+           (float_bits(buffer[i]) & 0x7FFFFFFFu) < 0x7F800000u;
+  }
 
   DTE_HOST_DEVICE Reconstruction reconstruct(float p, float buf) const noexcept {
     if (identity) {  // theta = theta_prev - 0 * buf: exact but for the sign of a zero
@@ -84,6 +89,15 @@ struct SgdMomentumInverse {
 
   static kernel bind(const hyperparameters& h, std::span<const float> theta, const state& s,
                      std::string_view tensor = {}) {
+    kernel k = bind_unchecked(h, theta, s, tensor);
+    detail::require_finite(name, tensor, "theta", theta);
+    detail::require_finite(name, tensor, "momentum_buffer", s.momentum_buffer);
+    return k;
+  }
+
+  // bind without the pass over the elements (see AdamWInverse::bind_unchecked).
+  static kernel bind_unchecked(const hyperparameters& h, std::span<const float> theta,
+                               const state& s, std::string_view tensor = {}) {
     const std::string who(name);
     const std::string where = detail::tensor_label(tensor);
     if (h.nesterov) {
@@ -110,8 +124,6 @@ struct SgdMomentumInverse {
     detail::require_zero_or_normal(who, tensor, "lr", h.lr);
     detail::require_same_length(who, tensor, "theta", theta.size(), "momentum_buffer",
                                 s.momentum_buffer.size());
-    detail::require_finite(who, tensor, "theta", theta);
-    detail::require_finite(who, tensor, "momentum_buffer", s.momentum_buffer);
 
     // Forward: lr rounded to FP32 (u), the product (u), the sum (u). Inverse: the same three.
     const double u = detail::unit_roundoff;

@@ -15,8 +15,8 @@
 #include "dte/config.hpp"
 #include "dte/error.hpp"
 #include "dte/numeric/round.hpp"
-#include "dte/optim/reconstruction.hpp"
 #include "dte/optim/validate.hpp"
+#include "dte/reconstruction.hpp"
 
 namespace dte {
 
@@ -40,6 +40,9 @@ struct SnapshotKernel {
   DTE_HOST_DEVICE Reconstruction operator()(std::size_t i) const noexcept {
     return {F::widen(published[i]), 0.0f, true};
   }
+  DTE_HOST_DEVICE bool valid(std::size_t i) const noexcept {
+    return (float_bits(theta[i]) & 0x7FFFFFFFu) < 0x7F800000u;
+  }
 };
 
 }  // namespace detail
@@ -59,6 +62,12 @@ struct BasicSnapshotBase {
     detail::require_same_length(who, tensor, "theta", theta.size(), "published",
                                 s.published.size());
     detail::require_finite(who, tensor, "theta", theta);
+    return kernel{theta.data(), s.published.data(), theta.size()};
+  }
+  static kernel bind_unchecked(const hyperparameters&, std::span<const float> theta, const state& s,
+                               std::string_view tensor = {}) {
+    detail::require_same_length(name, tensor, "theta", theta.size(), "published",
+                                s.published.size());
     return kernel{theta.data(), s.published.data(), theta.size()};
   }
 

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "dte/engine/receiver.hpp"
@@ -22,7 +23,7 @@ std::int64_t dense_mismatches(const layout::HfModel& hf, const layout::SglangLay
   {
     const std::int64_t ts = r.rank() % recv.topology().tp;
     for (std::int64_t k = 0; k < recv.size(); ++k) {
-      const auto& t = r.tensor(k);
+      const std::span<const std::uint16_t> t = r.tensor(k);
       const std::int64_t n = static_cast<std::int64_t>(t.size());
       DTE_OMP(parallel for reduction(+ : bad) schedule(static))
       for (std::int64_t i = 0; i < n; ++i) {
@@ -42,10 +43,10 @@ std::int64_t dense_mismatches(const layout::HfModel& hf, const layout::SglangLay
 template <class Format = Bf16Format>
 std::int64_t dense_mismatches(const layout::HfModel& hf, const layout::SglangLayout& recv,
                               const std::vector<float>& canonical,
-                              const std::vector<Receiver>& receivers) {
+                              const std::vector<const Receiver*>& receivers) {
   std::int64_t bad = 0;
-  for (const Receiver& r : receivers)
-    bad += dense_mismatches<Format>(hf, recv, canonical, r);
+  for (const Receiver* r : receivers)
+    bad += dense_mismatches<Format>(hf, recv, canonical, *r);
   return bad;
 }
 

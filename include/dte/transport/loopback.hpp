@@ -1,50 +1,46 @@
 // SPDX-License-Identifier: Apache-2.0
-// LoopbackTwoRound: sender and receiver ranks as threads of one process, running the two-round
-// protocol the NCCL and MPI transports run. Round 1: every sender posts its byte count for every
-// receiver, zeros included, so every pair has a matching operation. Round 2: each receiver
-// allocates exactly what was announced and the payloads move. A receiver that gets a different
-// number of bytes than announced raises an error naming the pair and the round.
+// LoopbackWorld: sender and receiver ranks as threads of one process, each holding a
+// LoopbackTwoRound endpoint and running the same protocol the MPI and NCCL transports run.
+// Round 1: every sender posts its byte count for every receiver, zeros included, so every pair
+// takes part; round 2: each receiver allocates exactly what was announced and copies the
+// payloads (what a network would deliver into its memory). sum() and checkpoint() are the
+// world's collectives. Every wait has a deadline: a rank that does not arrive becomes a
+// deadline_error naming it and the phase (and the world is then broken: later waits fail at
+// once), never a hang.
 //
-// For tests it can inject faults a real network or a buggy sender could cause: a message lost
-// without trace (drop), the previous publication's message delivered again (duplicate), or one
-// flipped bit (bitflip).
+// For tests the world can inject faults a real network or a buggy sender could cause into the
+// next exchange: a message lost without trace (drop), the previous exchange's message delivered
+// again (duplicate), or one flipped bit (bitflip).
 #pragma once
 
-#include <barrier>
+#include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
+#include "dte/concepts.hpp"
 #include "dte/error.hpp"
+#include "dte/transport/payload.hpp"
 
 namespace dte {
 
-using Bytes = std::vector<std::byte>;
-// What a sender hands the transport for one receiver: consecutive spans (a chunked message).
-using Payload = std::vector<std::span<const std::byte>>;
-
-inline std::size_t payload_size(const Payload& p) noexcept {
-  std::size_t n = 0;
-  for (const auto& part : p)
-    n += part.size();
-  return n;
-}
-
 struct TransportFault {
   enum class Kind { drop, duplicate, bitflip } kind = Kind::drop;
-  std::int64_t src = 0;
-  std::int64_t dst = 0;
+  std::int64_t src = 0;  // sender index
+  std::int64_t dst = 0;  // receiver index
   std::size_t byte = 0;  // bitflip: which byte of the payload
   int bit = 0;           // bitflip: which bit of it
+  // bitflip: when set, the byte is where(payload) instead (e.g. wire::first_value_offset).
+  std::function<std::size_t(std::span<const std::byte>)> where = {};
 };
-
-// What receiver `dst` got in one exchange: (sender, payload) in sender order.
-using Inbox = std::vector<std::pair<std::int64_t, Bytes>>;
 
 struct ExchangeStats {
   std::uint64_t bytes = 0;              // payload bytes moved
@@ -52,136 +48,255 @@ struct ExchangeStats {
   std::vector<std::uint64_t> bytes_to;  // per receiver
 };
 
+class LoopbackTwoRound;
+
+class LoopbackWorld {
+ public:
+  LoopbackWorld(int senders, int receivers,
+                std::chrono::milliseconds deadline = std::chrono::minutes(2));
+  LoopbackWorld(const LoopbackWorld&) = delete;
+  LoopbackWorld& operator=(const LoopbackWorld&) = delete;
+
+  [[nodiscard]] int senders() const noexcept { return senders_; }
+  [[nodiscard]] int receivers() const noexcept { return receivers_; }
+  [[nodiscard]] int size() const noexcept { return senders_ + receivers_; }
+  // The endpoint of rank r (senders [0, S), receivers [S, S + R)); one thread per rank.
+  [[nodiscard]] LoopbackTwoRound& endpoint(int rank);
+
+  // The next exchange suffers this fault (once). A duplicate needs the previous exchange's
+  // payloads: call keep_history(true) first (off by default: it doubles the payload memory).
+  void inject(const TransportFault& f) {
+    std::lock_guard lock(mutex_);
+    fault_ = f;
+  }
+  void keep_history(bool on) {
+    std::lock_guard lock(mutex_);
+    keep_history_ = on;
+    if (!on) history_.clear();
+  }
+  // The last exchange (complete once every rank returned from it).
+  [[nodiscard]] ExchangeStats last_stats() const {
+    std::lock_guard lock(mutex_);
+    ExchangeStats s;
+    s.bytes_to = bytes_to_;
+    for (std::uint64_t b : bytes_to_)
+      s.bytes += b;
+    for (std::uint64_t m : messages_to_)
+      s.messages += m;
+    return s;
+  }
+
+ private:
+  friend class LoopbackTwoRound;
+
+  // Every rank arrives; returns when all did, or throws naming the missing ranks.
+  void rendezvous(int rank, const char* phase) {
+    std::unique_lock lock(mutex_);
+    if (broken_) throw_broken(rank, phase);
+    const std::uint64_t gen = generation_;
+    present_[static_cast<std::size_t>(rank)] = true;
+    if (++arrived_ == size()) {
+      arrived_ = 0;
+      std::fill(present_.begin(), present_.end(), false);
+      ++generation_;
+      cv_.notify_all();
+      return;
+    }
+    if (!cv_.wait_for(lock, deadline_, [&] { return generation_ != gen || broken_; })) {
+      std::string who;
+      for (int r = 0; r < size(); ++r) {
+        if (!present_[static_cast<std::size_t>(r)])
+          who += (who.empty() ? "" : ", ") + std::to_string(r);
+      }
+      broken_ = true;
+      cv_.notify_all();
+      throw deadline_error("LoopbackTwoRound: rank " + std::to_string(rank) + " waited " +
+                           std::to_string(deadline_.count()) + " ms in " + phase + " for rank(s) " +
+                           who + " (stalled or failed); this version is not committed");
+    }
+    if (generation_ == gen) throw_broken(rank, phase);
+  }
+
+  [[noreturn]] void throw_broken(int rank, const char* phase) const {
+    throw deadline_error("LoopbackTwoRound: rank " + std::to_string(rank) + " reached " + phase +
+                         " after another rank gave up waiting; the world is broken, start a "
+                         "new one");
+  }
+
+  int senders_, receivers_;
+  std::chrono::milliseconds deadline_;
+  std::vector<std::unique_ptr<LoopbackTwoRound>> endpoints_;
+
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  std::uint64_t generation_ = 0;
+  int arrived_ = 0;
+  std::vector<bool> present_;
+  bool broken_ = false;
+
+  // The exchange in flight: what every sender posted (round 1), valid until the last rendezvous.
+  std::vector<const std::vector<Payload>*> posted_;
+  std::vector<std::vector<std::uint64_t>*> sums_;  // sum(): every rank's vector
+  std::optional<TransportFault> fault_;
+  bool keep_history_ = false;
+  std::vector<std::vector<Bytes>> history_;            // [sender][receiver]: the previous exchange
+  std::vector<std::uint64_t> bytes_to_, messages_to_;  // per receiver, the last exchange
+};
+
 class LoopbackTwoRound {
  public:
   using transport_tag = void;
+  using inbox_type = Inbox;
 
-  // outbox[src][dst] -> inbox[dst]. Every (src, dst) pair takes part in both rounds; an empty
-  // payload is announced as 0 bytes and delivers nothing.
-  std::vector<Inbox> exchange(const std::vector<std::vector<Payload>>& outbox) {
-    const std::size_t senders = outbox.size();
-    const std::size_t receivers = senders == 0 ? 0 : outbox[0].size();
-    for (const auto& row : outbox) {
-      if (row.size() != receivers) {
-        throw invalid_argument("LoopbackTwoRound: every sender must address every receiver");
-      }
-    }
-    std::vector<std::vector<std::uint64_t>> counts(senders, std::vector<std::uint64_t>(receivers));
-    std::vector<std::vector<Bytes>> slots(receivers, std::vector<Bytes>(senders));
-    std::vector<Inbox> inbox(receivers);
-    std::vector<std::string> errors(receivers);
-    std::barrier sync(static_cast<std::ptrdiff_t>(senders + receivers));
+  LoopbackTwoRound(LoopbackWorld& world, int rank) : world_(&world), rank_(rank) {}
 
-    const Payload lost;  // a dropped message: lost without trace, not even announced
-    auto payload = [&](std::size_t s, std::size_t d) -> const Payload& {
-      const bool dropped = fault_ && fault_->kind == TransportFault::Kind::drop &&
-                           static_cast<std::size_t>(fault_->src) == s &&
-                           static_cast<std::size_t>(fault_->dst) == d;
-      return dropped ? lost : outbox[s][d];
-    };
-    auto sender = [&](std::size_t s) {
-      for (std::size_t d = 0; d < receivers; ++d) {
-        counts[s][d] = payload_size(payload(s, d));  // round 1: every count, zeros included
-      }
-      sync.arrive_and_wait();                        // counts posted
-      sync.arrive_and_wait();                        // receivers allocated
-      for (std::size_t d = 0; d < receivers; ++d) {  // round 2
-        const Payload& p = payload(s, d);
-        Bytes& slot = slots[d][s];
-        if (slot.size() != payload_size(p)) continue;
-        std::size_t at = 0;
-        for (const auto& part : p) {
-          std::copy(part.begin(), part.end(), slot.begin() + static_cast<std::ptrdiff_t>(at));
-          at += part.size();
-        }
-      }
-      sync.arrive_and_wait();  // payloads delivered
-    };
-    auto receiver = [&](std::size_t d) {
-      sync.arrive_and_wait();
-      for (std::size_t s = 0; s < senders; ++s)
-        slots[d][s].resize(counts[s][d]);
-      sync.arrive_and_wait();
-      sync.arrive_and_wait();
-      for (std::size_t s = 0; s < senders; ++s) {
-        if (slots[d][s].size() != counts[s][d]) {
-          errors[d] = "receiver " + std::to_string(d) + ": round 2 from sender " +
-                      std::to_string(s) + " delivered " + std::to_string(slots[d][s].size()) +
-                      " bytes, " + std::to_string(counts[s][d]) + " announced in round 1";
-        }
-        if (!slots[d][s].empty()) {
-          inbox[d].emplace_back(static_cast<std::int64_t>(s), std::move(slots[d][s]));
-        }
-      }
-    };
-    std::vector<std::thread> threads;
-    for (std::size_t s = 0; s < senders; ++s)
-      threads.emplace_back(sender, s);
-    for (std::size_t d = 0; d < receivers; ++d)
-      threads.emplace_back(receiver, d);
-    for (auto& t : threads)
-      t.join();
-    for (const std::string& e : errors) {
-      if (!e.empty()) throw error("LoopbackTwoRound: " + e);
-    }
+  [[nodiscard]] int senders() const noexcept { return world_->senders_; }
+  [[nodiscard]] int receivers() const noexcept { return world_->receivers_; }
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  [[nodiscard]] bool is_sender() const noexcept { return rank_ < world_->senders_; }
+  [[nodiscard]] bool is_receiver() const noexcept { return rank_ >= world_->senders_; }
+  [[nodiscard]] LoopbackWorld& world() noexcept { return *world_; }
 
-    if (fault_) apply_after_delivery(inbox);
-    fault_.reset();
-    stats_ = {};
-    stats_.bytes_to.assign(receivers, 0);
-    for (std::size_t d = 0; d < receivers; ++d) {
-      for (const auto& [s, bytes] : inbox[d]) {
-        stats_.bytes += bytes.size();
-        stats_.bytes_to[d] += bytes.size();
-        ++stats_.messages;
-      }
+  // A sender passes one payload per receiver (empty: nothing for it); a receiver passes nothing
+  // and gets (sender, bytes) for every sender with a non-empty payload.
+  Inbox exchange(const std::vector<Payload>& out) {
+    LoopbackWorld& w = *world_;
+    if (is_sender() && static_cast<int>(out.size()) != w.receivers_) {
+      throw invalid_argument("LoopbackTwoRound: sender " + std::to_string(rank_) + " addressed " +
+                             std::to_string(out.size()) + " receivers, the world has " +
+                             std::to_string(w.receivers_));
     }
-    if (keep_history_) {
-      previous_.assign(senders, std::vector<Bytes>(receivers));
-      for (std::size_t s = 0; s < senders; ++s) {
-        for (std::size_t d = 0; d < receivers; ++d) {
-          for (const auto& part : outbox[s][d]) {
-            previous_[s][d].insert(previous_[s][d].end(), part.begin(), part.end());
-          }
+    if (is_sender()) {
+      std::lock_guard lock(w.mutex_);
+      w.posted_[static_cast<std::size_t>(rank_)] = &out;
+    }
+    w.rendezvous(rank_, "round 1 (counts)");
+    Inbox inbox;
+    if (is_receiver()) inbox = receive();
+    w.rendezvous(rank_, "round 2 (payloads)");
+    if (rank_ == 0) {
+      // Every receiver has copied: the fault (once) is spent.
+      std::lock_guard lock(w.mutex_);
+      w.fault_.reset();
+    }
+    w.rendezvous(rank_, "the end of the exchange");
+    return inbox;
+  }
+
+  // Element-wise sum over every rank; the result replaces v on every rank.
+  void sum(std::span<std::uint64_t> v, const char* phase) {
+    LoopbackWorld& w = *world_;
+    std::vector<std::uint64_t> mine(v.begin(), v.end());
+    {
+      std::lock_guard lock(w.mutex_);
+      w.sums_[static_cast<std::size_t>(rank_)] = &mine;
+    }
+    w.rendezvous(rank_, phase);
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      std::uint64_t total = 0;
+      for (const std::vector<std::uint64_t>* other : w.sums_) {
+        if (other->size() != v.size()) {
+          throw invalid_argument(std::string("LoopbackTwoRound: ranks disagree on the length of "
+                                             "the sum in ") +
+                                 phase);
+        }
+        total += (*other)[i];
+      }
+      v[i] = total;
+    }
+    w.rendezvous(rank_, phase);  // every rank has read every vector
+  }
+
+  void checkpoint(const char* phase) { world_->rendezvous(rank_, phase); }
+
+ private:
+  Inbox receive() {
+    LoopbackWorld& w = *world_;
+    const int d = rank_ - w.senders_;
+    std::optional<TransportFault> fault;
+    bool history = false;
+    {
+      std::lock_guard lock(w.mutex_);
+      fault = w.fault_;
+      history = w.keep_history_;
+    }
+    const auto hits = [&](TransportFault::Kind k, int s) {
+      return fault && fault->kind == k && fault->src == s && fault->dst == d;
+    };
+    Inbox inbox;
+    std::uint64_t bytes = 0;
+    std::vector<Bytes> previous;
+    for (int s = 0; s < w.senders_; ++s) {
+      const Payload& p = (*w.posted_[static_cast<std::size_t>(s)])[static_cast<std::size_t>(d)];
+      const std::size_t n = hits(TransportFault::Kind::drop, s) ? 0 : payload_size(p);
+      if (n == 0) continue;  // announced as 0 bytes in round 1: nothing moves
+      Bytes slot(n);
+      std::size_t at = 0;
+      for (const auto& part : p) {
+        std::copy(part.begin(), part.end(), slot.begin() + static_cast<std::ptrdiff_t>(at));
+        at += part.size();
+      }
+      if (hits(TransportFault::Kind::bitflip, s)) {
+        const std::size_t at_byte = fault->where ? fault->where(slot) : fault->byte;
+        if (at_byte < slot.size()) slot[at_byte] ^= static_cast<std::byte>(1u << fault->bit);
+      }
+      bytes += slot.size();
+      inbox.emplace_back(s, std::move(slot));
+    }
+    {
+      std::lock_guard lock(w.mutex_);
+      if (fault && fault->kind == TransportFault::Kind::duplicate && fault->dst == d &&
+          static_cast<std::size_t>(fault->src) < w.history_.size() &&
+          !w.history_[static_cast<std::size_t>(fault->src)][static_cast<std::size_t>(d)].empty()) {
+        inbox.emplace_back(
+            fault->src,
+            w.history_[static_cast<std::size_t>(fault->src)][static_cast<std::size_t>(d)]);
+        bytes += inbox.back().second.size();
+      }
+      if (history) {
+        w.history_.resize(static_cast<std::size_t>(w.senders_),
+                          std::vector<Bytes>(static_cast<std::size_t>(w.receivers_)));
+        for (int s = 0; s < w.senders_; ++s) {
+          const Payload& p = (*w.posted_[static_cast<std::size_t>(s)])[static_cast<std::size_t>(d)];
+          Bytes& h = w.history_[static_cast<std::size_t>(s)][static_cast<std::size_t>(d)];
+          h.clear();
+          for (const auto& part : p)
+            h.insert(h.end(), part.begin(), part.end());
         }
       }
+      w.bytes_to_[static_cast<std::size_t>(d)] = bytes;
+      w.messages_to_[static_cast<std::size_t>(d)] = inbox.size();
     }
     return inbox;
   }
 
-  // The next exchange suffers this fault (once). A duplicate needs the previous exchange's
-  // payloads: call keep_history(true) first (off by default: it doubles the payload memory).
-  void inject(const TransportFault& f) { fault_ = f; }
-  void keep_history(bool on) {
-    keep_history_ = on;
-    if (!on) previous_.clear();
-  }
-  [[nodiscard]] const ExchangeStats& last_stats() const noexcept { return stats_; }
-
- private:
-  void apply_after_delivery(std::vector<Inbox>& inbox) {
-    const TransportFault& f = *fault_;
-    if (f.dst < 0 || static_cast<std::size_t>(f.dst) >= inbox.size()) return;
-    Inbox& box = inbox[static_cast<std::size_t>(f.dst)];
-    if (f.kind == TransportFault::Kind::duplicate) {
-      if (static_cast<std::size_t>(f.src) < previous_.size() &&
-          !previous_[static_cast<std::size_t>(f.src)][static_cast<std::size_t>(f.dst)].empty()) {
-        box.emplace_back(
-            f.src, previous_[static_cast<std::size_t>(f.src)][static_cast<std::size_t>(f.dst)]);
-      }
-    } else if (f.kind == TransportFault::Kind::bitflip) {
-      for (auto& [s, bytes] : box) {
-        if (s == f.src && f.byte < bytes.size()) {
-          bytes[f.byte] ^= static_cast<std::byte>(1u << f.bit);
-        }
-      }
-    }
-  }
-
-  std::optional<TransportFault> fault_;
-  bool keep_history_ = false;
-  std::vector<std::vector<Bytes>> previous_;
-  ExchangeStats stats_;
+  LoopbackWorld* world_;
+  int rank_;
 };
+
+inline LoopbackWorld::LoopbackWorld(int senders, int receivers, std::chrono::milliseconds deadline)
+    : senders_(senders), receivers_(receivers), deadline_(deadline) {
+  if (senders < 1 || receivers < 1) {
+    throw invalid_argument("LoopbackWorld: needs at least one sender and one receiver (got " +
+                           std::to_string(senders) + " and " + std::to_string(receivers) + ")");
+  }
+  for (int r = 0; r < size(); ++r)
+    endpoints_.push_back(std::make_unique<LoopbackTwoRound>(*this, r));
+  present_.assign(static_cast<std::size_t>(size()), false);
+  posted_.assign(static_cast<std::size_t>(senders), nullptr);
+  sums_.assign(static_cast<std::size_t>(size()), nullptr);
+  bytes_to_.assign(static_cast<std::size_t>(receivers), 0);
+  messages_to_.assign(static_cast<std::size_t>(receivers), 0);
+}
+
+inline LoopbackTwoRound& LoopbackWorld::endpoint(int rank) {
+  if (rank < 0 || rank >= size()) {
+    throw invalid_argument("LoopbackWorld: rank " + std::to_string(rank) + " outside [0, " +
+                           std::to_string(size()) + ")");
+  }
+  return *endpoints_[static_cast<std::size_t>(rank)];
+}
+
+static_assert(transport<LoopbackTwoRound>);
 
 }  // namespace dte

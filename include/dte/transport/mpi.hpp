@@ -16,23 +16,16 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "dte/concepts.hpp"
 #include "dte/error.hpp"
-#include "dte/transport/loopback.hpp"
+#include "dte/transport/payload.hpp"
 
 namespace dte {
-
-// A peer did not answer within the deadline. (An explicit constructor rather than `using
-// error::error`: nvcc 13 crashes on inherited constructors with a source_location default.)
-class deadline_error : public error {
- public:
-  explicit deadline_error(const std::string& message,
-                          std::source_location where = std::source_location::current())
-      : error(message, where) {}
-};
 
 #define DTE_MPI_TRY(expr)                                                                     \
   do {                                                                                        \
@@ -85,7 +78,7 @@ inline std::string mpi_pending_peers(std::vector<MPI_Request>& reqs, const std::
 struct MpiTwoRoundConfig {
   std::chrono::milliseconds deadline{30'000};      // per round
   std::size_t max_message = std::size_t{1} << 30;  // bytes per MPI message (< INT_MAX)
-  int tag = 0x6474;                                // "dt"; round 2 uses tag + 1
+  int tag = 0x6474;  // "dt"; round 2 uses tag + 1, checkpoints tag + 2
 };
 
 // Where received messages live. HostMemory: ordinary host vectors (the host Receiver reads them
@@ -121,11 +114,55 @@ class BasicMpiTwoRound {
     }
   }
 
+  [[nodiscard]] int senders() const noexcept { return senders_; }
+  [[nodiscard]] int receivers() const noexcept { return receivers_; }
+  [[nodiscard]] int rank() const noexcept { return rank_; }
   [[nodiscard]] bool is_sender() const noexcept { return rank_ < senders_; }
   [[nodiscard]] bool is_receiver() const noexcept {
     return rank_ >= senders_ && rank_ < senders_ + receivers_;
   }
   [[nodiscard]] int receiver_index() const noexcept { return rank_ - senders_; }
+
+  // Every rank tells every other that it reached `phase` (point to point, so a deadline names
+  // exactly the ranks that did not arrive), returning once all did.
+  void checkpoint(const char* phase) {
+    int size = 0;
+    DTE_MPI_TRY(MPI_Comm_size(comm_, &size));
+    const auto n = static_cast<std::size_t>(size);
+    std::vector<unsigned char> in(n, 0);
+    const unsigned char token = 1;
+    std::vector<MPI_Request> reqs;
+    std::vector<int> peer;
+    for (int r = 0; r < size; ++r) {
+      if (r == rank_) continue;
+      reqs.push_back(MPI_REQUEST_NULL);
+      peer.push_back(r);
+      DTE_MPI_TRY(MPI_Irecv(&in[static_cast<std::size_t>(r)], 1, MPI_UNSIGNED_CHAR, r, cfg_.tag + 2,
+                            comm_, &reqs.back()));
+      reqs.push_back(MPI_REQUEST_NULL);
+      peer.push_back(-1);  // our own send: not a peer we wait for
+      DTE_MPI_TRY(MPI_Isend(&token, 1, MPI_UNSIGNED_CHAR, r, cfg_.tag + 2, comm_, &reqs.back()));
+    }
+    if (detail::mpi_wait_until(reqs, cfg_.deadline)) return;
+    throw deadline_error("MpiTwoRound: rank " + std::to_string(rank_) + " waited " +
+                         std::to_string(cfg_.deadline.count()) + " ms before " + phase +
+                         " for rank(s) " + detail::mpi_pending_peers(reqs, peer) +
+                         " (stalled, dead, or waiting for one that is); this version is not "
+                         "committed");
+  }
+
+  // Element-wise sum over every rank, behind a checkpoint (so a deadline names the ranks that
+  // did not arrive); a non-blocking allreduce waited on with the deadline.
+  void sum(std::span<std::uint64_t> v, const char* phase) {
+    checkpoint(phase);
+    std::vector<MPI_Request> req(1, MPI_REQUEST_NULL);
+    DTE_MPI_TRY(MPI_Iallreduce(MPI_IN_PLACE, v.data(), static_cast<int>(v.size()), MPI_UINT64_T,
+                               MPI_SUM, comm_, req.data()));
+    if (detail::mpi_wait_until(req, cfg_.deadline)) return;
+    throw deadline_error("MpiTwoRound: rank " + std::to_string(rank_) + " waited " +
+                         std::to_string(cfg_.deadline.count()) + " ms in " + phase +
+                         " for a rank that is stalled or dead; this version is not committed");
+  }
 
   // For fault tests: runs once, on this process, between round 1 and round 2 of the next
   // exchange.
@@ -255,5 +292,6 @@ class BasicMpiTwoRound {
 };
 
 using MpiTwoRound = BasicMpiTwoRound<HostMemory>;
+static_assert(transport<MpiTwoRound>);
 
 }  // namespace dte

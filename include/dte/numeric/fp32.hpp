@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// What an OptimizerInverse returns for one element, and the constants of its error model.
-// The derivation of every constant is in docs/math.md.
+// FP32 arithmetic the error bounds rely on: the unit roundoff and underflow constants of the
+// error model, operations rounded once and never fused, constants rounded up. docs/math.md
+// derives every bound built from them.
 #pragma once
 
 #include <cmath>
@@ -15,25 +16,6 @@
 #endif
 
 namespace dte {
-
-// The previous value of one element as reconstructed from optimizer state.
-//
-// Contract: the value the element held before the step, p0, satisfies |p0 - value| <= error.
-// error == 0 means value IS p0, bit for bit (sign of zero included). When sign_exact is true,
-// p0 also has the sign bit of value even where the interval [value - error, value + error]
-// reaches across zero (this matters only for the two zero buckets of a 16-bit format).
-struct Reconstruction {
-  float value;
-  float error;
-  bool sign_exact = false;
-};
-
-// What a ChangeDetector decides for one element.
-enum class Verdict : std::uint8_t {
-  unchanged = 0,
-  changed = 1,  // the rounded values differ
-  guard = 2,    // same rounded value, but too close to a rounding boundary to be sure
-};
 
 namespace detail {
 

@@ -1,0 +1,212 @@
+// SPDX-License-Identifier: Apache-2.0
+// The pipeline stages one at a time on one trainer rank of Qwen3-8B's real layer shapes (one
+// decoder layer, tp=4, a 4096-token vocabulary: 56.6M shard elements), next to a STREAM-style
+// read of the same 12 bytes per element, over changed fractions {0, 0.1%, 1%, 2%, 10%, 100%}:
+//   BM_memory_read         theta, exp_avg, exp_avg_sq read once (the reference)
+//   BM_detect/F            the detect stage over every run piece (SIMD where the CPU has it)
+//   BM_publish/F           the whole staged publication as the engine runs it (detect,
+//                          compact, route, bucket/encode in tile order)
+//   BM_apply/F             every receiver applying its message
+// bytes_per_second is 12 per shard element for the first three; items are entries for apply.
+// `dte bench pipeline` prints the same figures as ratios in one JSON object.
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <bit>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "dte/detect/detect.hpp"
+#include "dte/engine/receiver.hpp"
+#include "dte/engine/sender.hpp"
+#include "dte/exec/host.hpp"
+#include "dte/layout/plan.hpp"
+#include "dte/optim/adam.hpp"
+#include "dte/pipeline/detect.hpp"
+#include "dte/sim/controlled_shard.hpp"
+
+namespace {
+
+using namespace dte;
+using Sender = SenderRank<AdamWInverse, BF16Detect, layout::TransferPlan, HostExecutor>;
+
+struct World {
+  layout::ModelSpec spec = [] {
+    layout::ModelSpec m = layout::model_preset("qwen3-8b");
+    m.layers = 1;
+    m.vocab = 4096;
+    return m;
+  }();
+  layout::HfModel hf{spec};
+  layout::TrainTopology train = layout::parse_train_topology("tp=4");
+  layout::SglangLayout recv{hf, layout::parse_infer_topology("tp=2,replicas=2")};
+  HostExecutor exec;
+  Sender sender{hf, train, recv, 0, false, exec};
+  std::int64_t size = sender.plan().shard_size(layout::BufferKind::dense);
+};
+
+World& world() {
+  static World w;
+  return w;
+}
+
+const sim::ControlledShard& shard(double fraction) {
+  static std::vector<std::pair<double, std::unique_ptr<sim::ControlledShard>>> cache;
+  for (auto& [f, s] : cache) {
+    if (f == fraction) return *s;
+  }
+  // One at a time: each shard holds 12 bytes per element.
+  cache.clear();
+  const World& w = world();
+  cache.emplace_back(
+      fraction, std::make_unique<sim::ControlledShard>(
+                    w.size, w.sender.plan().shard_size(layout::BufferKind::expert), fraction, 7));
+  return *cache.back().second;
+}
+
+double fraction_of(const benchmark::State& state) {
+  return static_cast<double>(state.range(0)) / 10000.0;  // range in units of 0.01%
+}
+
+void BM_memory_read(benchmark::State& state) {
+  World& w = world();
+  const sim::ControlledShard& s = shard(0.01);
+  const auto a = s.theta(0, layout::BufferKind::dense);
+  const auto b = s.exp_avg(layout::BufferKind::dense), c = s.exp_avg_sq(layout::BufferKind::dense);
+  const std::size_t n = a.size(), blocks = (n + 65535) / 65536;
+  std::vector<std::uint32_t> partial(static_cast<std::size_t>(w.exec.threads()));
+  for (auto _ : state) {
+    w.exec.for_each(blocks, [&](std::size_t blk, int t) {
+      std::uint32_t acc = 0;
+      for (std::size_t i = blk * 65536; i < std::min(n, blk * 65536 + 65536); ++i)
+        acc |= std::bit_cast<std::uint32_t>(a[i]) ^ std::bit_cast<std::uint32_t>(b[i]) ^
+               std::bit_cast<std::uint32_t>(c[i]);
+      partial[static_cast<std::size_t>(t)] |= acc;
+    });
+    benchmark::DoNotOptimize(partial.data());
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * 12 *
+                          static_cast<std::int64_t>(n));
+}
+
+void BM_detect(benchmark::State& state) {
+  World& w = world();
+  const sim::ControlledShard& s = shard(fraction_of(state));
+  const layout::TransferPlan& plan = w.sender.plan();
+  const auto theta = s.theta(0, layout::BufferKind::dense);
+  std::vector<AdamWInverse::kernel> kernels;
+  for (const layout::PlanSegment& seg : plan.segments(layout::BufferKind::dense)) {
+    kernels.push_back(
+        AdamWInverse::bind_unchecked(s.hyper(),
+                                     theta.subspan(static_cast<std::size_t>(seg.shard_begin),
+                                                   static_cast<std::size_t>(seg.length)),
+                                     s.state(0, layout::BufferKind::dense, seg)));
+  }
+  const auto runs = w.sender.runs().runs(layout::BufferKind::dense);
+  std::int64_t longest = 0;
+  for (const pipeline::Run& run : runs)
+    longest = std::max(longest, run.length);
+  // One bitmap per thread (each run's own bits, as the engine keeps each tile's).
+  std::vector<std::vector<std::uint64_t>> bits(
+      static_cast<std::size_t>(w.exec.threads()),
+      std::vector<std::uint64_t>(static_cast<std::size_t>(longest / 64 + 2)));
+  std::uint64_t flagged = 0;
+  for (auto _ : state) {
+    std::vector<std::uint64_t> per(runs.size(), 0);
+    w.exec.for_each(runs.size(), [&](std::size_t r, int t) {
+      const pipeline::Run& run = runs[r];
+      const layout::PlanSegment& seg =
+          plan.segments(layout::BufferKind::dense)[static_cast<std::size_t>(run.segment)];
+      const bool send = run.sender && run.tensor >= 0;
+      const pipeline::Piece piece{static_cast<std::size_t>(run.shard_begin - seg.shard_begin),
+                                  static_cast<std::size_t>(run.length), send ? run.canonical : -1,
+                                  send};
+      std::vector<std::uint64_t>& mine = bits[static_cast<std::size_t>(t)];
+      std::fill(mine.begin(), mine.begin() + run.length / 64 + 1, 0);
+      per[r] = pipeline::detect<BF16Detect>(w.exec, kernels[static_cast<std::size_t>(run.segment)],
+                                            piece, pipeline::ScanMode::detect, nullptr, 0,
+                                            mine.data(), 0)
+                   .flagged;
+    });
+    for (std::uint64_t f : per)
+      flagged += f;
+  }
+  state.counters["changed_fraction"] = static_cast<double>(flagged) /
+                                       static_cast<double>(state.iterations()) /
+                                       static_cast<double>(w.size);
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * 12 * w.size);
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations()) * w.size);
+}
+
+void BM_publish(benchmark::State& state) {
+  World& w = world();
+  const sim::ControlledShard& s = shard(fraction_of(state));
+  std::uint64_t entries = 0, payload = 0;
+  for (auto _ : state) {
+    const ScanResult r = w.sender.scan(s, pipeline::ScanMode::detect);
+    benchmark::DoNotOptimize(w.sender.finish(MessageKind::delta, 1, 0));
+    entries = r.entries;
+    payload = w.sender.payload_bytes();
+    w.sender.release();
+  }
+  state.counters["wire_bytes_per_entry"] =
+      entries ? static_cast<double>(payload) / static_cast<double>(entries) : 0.0;
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * 12 * w.size);
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations()) * w.size);
+}
+
+void BM_apply(benchmark::State& state) {
+  World& w = world();
+  const sim::ControlledShard& s = shard(fraction_of(state));
+  const ScanResult r = w.sender.scan(s, pipeline::ScanMode::detect);
+  const std::vector<Payload> out = w.sender.finish(MessageKind::delta, 1, 0);
+  std::vector<Inbox> inbox(out.size());
+  for (std::size_t d = 0; d < out.size(); ++d) {
+    Bytes bytes;
+    for (const auto& part : out[d])
+      bytes.insert(bytes.end(), part.begin(), part.end());
+    inbox[d].emplace_back(0, std::move(bytes));
+  }
+  w.sender.release();
+  // The receivers' own tensors; a full message would bring them to version 0, but a receiver
+  // accepts a delta only on its base, so each iteration applies a delta on version 0 to
+  // receivers that hold 0 (re-armed without timing).
+  std::vector<std::vector<std::vector<std::uint16_t>>> storage(out.size());
+  std::vector<std::unique_ptr<Receiver>> receivers;
+  for (std::size_t d = 0; d < out.size(); ++d) {
+    ReceiverTensors views;
+    for (std::int64_t k = 0; k < w.recv.size(); ++k) {
+      storage[d].emplace_back(static_cast<std::size_t>(w.recv[k].numel), std::uint16_t{0});
+      views.emplace_back(storage[d].back());
+    }
+    receivers.push_back(
+        std::make_unique<Receiver>(w.hf, w.recv, static_cast<std::int64_t>(d), views));
+  }
+  wire::Message empty_full;
+  empty_full.kind = MessageKind::full;
+  const Inbox arm{{0, wire::encode(empty_full)}};
+  for (auto _ : state) {
+    state.PauseTiming();
+    for (auto& rx : receivers)
+      (void)rx->apply(0, arm);
+    state.ResumeTiming();
+    w.exec.for_each(receivers.size(), [&](std::size_t d, int) {
+      benchmark::DoNotOptimize(receivers[d]->apply(1, inbox[d]).written);
+    });
+  }
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * r.entries));
+}
+
+void densities(benchmark::internal::Benchmark* b) {
+  for (std::int64_t f : {0, 10, 100, 200, 1000, 10000})
+    b->Arg(f);
+}
+
+}  // namespace
+
+BENCHMARK(BM_memory_read)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_detect)->Apply(densities)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_publish)->Apply(densities)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_apply)->Apply(densities)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK_MAIN();

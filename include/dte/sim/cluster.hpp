@@ -1,0 +1,128 @@
+// SPDX-License-Identifier: Apache-2.0
+// LoopbackCluster: every rank of a publication in one process, for the demo, `dte simulate`,
+// the examples and the tests. A LoopbackWorld of S trainer ranks and R receiver ranks, one
+// DeltaEngine per rank, and the receivers' tensors, owned here as an inference engine would own
+// its own (zero-filled). Every call runs the same engine method on every rank, each on its own
+// thread, and returns the report (the same on every rank).
+#pragma once
+
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "dte/engine/engine.hpp"
+#include "dte/exec/host.hpp"
+#include "dte/layout/hf.hpp"
+#include "dte/layout/sglang.hpp"
+#include "dte/layout/topology.hpp"
+#include "dte/transport/loopback.hpp"
+
+namespace dte::sim {
+
+template <class Engine>
+class LoopbackCluster {
+ public:
+  // threads: cores to share among the trainer ranks' executors (0: all of them).
+  LoopbackCluster(const layout::HfModel& hf, const layout::TrainTopology& train,
+                  const layout::SglangLayout& receivers, EngineConfig config, int threads = 0)
+      : world_(static_cast<int>(train.world()), static_cast<int>(receivers.topology().ranks())) {
+    const int cores = HostExecutor(threads).threads();
+    const int per_sender = std::max(1, cores / world_.senders());
+    storage_.resize(static_cast<std::size_t>(world_.receivers()));
+    for (int r = 0; r < world_.size(); ++r) {
+      ReceiverTensors views;
+      if (r >= world_.senders()) {
+        auto& mine = storage_[static_cast<std::size_t>(r - world_.senders())];
+        for (std::int64_t k = 0; k < receivers.size(); ++k) {
+          mine.emplace_back(static_cast<std::size_t>(receivers[k].numel), std::uint16_t{0});
+          views.emplace_back(mine.back());
+        }
+      }
+      engines_.push_back(std::make_unique<Engine>(hf, train, receivers, config, world_.endpoint(r),
+                                                  std::move(views), HostExecutor(per_sender)));
+    }
+  }
+
+  template <class Access>
+  SyncReport publish_full(const Access& access) {
+    return run([&](Engine& e) { return e.publish_full(access); });
+  }
+  template <class Access>
+  bool step(const Access& access, SyncReport& report) {
+    return run_flag([&](Engine& e, SyncReport& rep) { return e.step(access, rep); }, report);
+  }
+  template <class Access>
+  bool flush(const Access& access, SyncReport& report) {
+    return run_flag([&](Engine& e, SyncReport& rep) { return e.flush(access, rep); }, report);
+  }
+  template <class Access>
+  SyncReport publish_noop(const Access& access) {
+    return run([&](Engine& e) { return e.publish_noop(access); });
+  }
+
+  [[nodiscard]] Version version() const noexcept { return engines_[0]->version(); }
+  [[nodiscard]] LoopbackWorld& world() noexcept { return world_; }
+  [[nodiscard]] const Engine& engine(int rank) const {
+    return *engines_[static_cast<std::size_t>(rank)];
+  }
+  [[nodiscard]] const Receiver& receiver(std::int64_t d) const {
+    return engines_[static_cast<std::size_t>(world_.senders() + d)]->receiver();
+  }
+  [[nodiscard]] std::vector<const Receiver*> receivers() const {
+    std::vector<const Receiver*> out;
+    for (int d = 0; d < world_.receivers(); ++d)
+      out.push_back(&receiver(d));
+    return out;
+  }
+
+ private:
+  // f(engine) on every rank, each on its own thread. When ranks throw, the exception of the
+  // trainer rank that refused the publication (it says why) or else the lowest rank's.
+  template <class F>
+  void each(F&& f) {
+    std::vector<std::exception_ptr> errors(engines_.size());
+    {
+      std::vector<std::jthread> threads;
+      for (std::size_t r = 0; r < engines_.size(); ++r) {
+        threads.emplace_back([&, r] {
+          try {
+            f(*engines_[r], r);
+          } catch (...) {
+            errors[r] = std::current_exception();
+          }
+        });
+      }
+    }
+    const std::int64_t refuser = engines_[0]->refused_by();
+    if (refuser >= 0 && errors[static_cast<std::size_t>(refuser)]) {
+      std::rethrow_exception(errors[static_cast<std::size_t>(refuser)]);
+    }
+    for (const auto& e : errors) {
+      if (e) std::rethrow_exception(e);
+    }
+  }
+
+  template <class F>
+  SyncReport run(F&& f) {
+    std::vector<SyncReport> reports(engines_.size());
+    each([&](Engine& e, std::size_t r) { reports[r] = f(e); });
+    return reports[0];
+  }
+
+  template <class F>
+  bool run_flag(F&& f, SyncReport& report) {
+    std::vector<SyncReport> reports(engines_.size());
+    std::vector<char> published(engines_.size(), 0);
+    each([&](Engine& e, std::size_t r) { published[r] = f(e, reports[r]) ? 1 : 0; });
+    if (published[0]) report = reports[0];
+    return published[0] != 0;
+  }
+
+  LoopbackWorld world_;
+  std::vector<std::vector<std::vector<std::uint16_t>>> storage_;  // [receiver][tensor]
+  std::vector<std::unique_ptr<Engine>> engines_;
+};
+
+}  // namespace dte::sim
