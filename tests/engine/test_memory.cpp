@@ -176,7 +176,7 @@ TEST_CASE(
     CHECK(storage[static_cast<std::size_t>(k)][3] == want);
   }
   // The digest equals one computed from the caller's tensors.
-  std::vector<std::uint64_t> digest(static_cast<std::size_t>(hf.size()), 0);
+  std::vector<Digest> digest(static_cast<std::size_t>(hf.size()), 0);
   for (std::int64_t k = 0; k < recv.size(); ++k) {
     for (std::size_t i = 0; i < storage[static_cast<std::size_t>(k)].size(); ++i) {
       const Canonical c = recv.source({0, k, static_cast<std::int64_t>(i)});

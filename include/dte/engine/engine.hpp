@@ -151,17 +151,21 @@ class DeltaEngine
     refused_by_ = -1;
     if (mode == pipeline::ScanMode::mark) return;
     const auto tensors = static_cast<std::size_t>(hf_->size());
-    std::vector<std::uint64_t> v = sender_ ? res.digest : std::vector<std::uint64_t>(tensors, 0);
+    std::vector<std::uint64_t> v(tensors, 0);
+    if (sender_) std::copy(res.digest.begin(), res.digest.end(), v.begin());
     v.insert(v.end(), {res.scanned, res.changed, res.guard, res.entries});
     transport_->sum(v, "the digest sum");
-    trainer_digest_.assign(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(tensors));
+    trainer_digest_.resize(tensors);
+    for (std::size_t t = 0; t < tensors; ++t)
+      trainer_digest_[t] = static_cast<Digest>(v[t]);  // mod 2^32
     rep.elements_scanned = v[tensors];
     rep.changed = v[tensors + 1];
     rep.guard = v[tensors + 2];
     rep.entries = v[tensors + 3];
-    rep.digest = 0;
-    for (std::uint64_t d : trainer_digest_)
-      rep.digest += d;
+    Digest total = 0;
+    for (Digest d : trainer_digest_)
+      total += d;
+    rep.digest = total;
     detect_s_ = res.seconds;
   }
 
@@ -315,7 +319,7 @@ class DeltaEngine
   Transport* transport_;
   std::optional<Sender> sender_;
   std::optional<Receiver> receiver_;
-  std::vector<std::uint64_t> trainer_digest_;
+  std::vector<Digest> trainer_digest_;
   std::uint64_t dense_bytes_ = 0;
   double detect_s_ = 0;
   std::int64_t refused_by_ = -1;

@@ -75,7 +75,7 @@ class Receiver {
     return tensors_[static_cast<std::size_t>(id)];
   }
   // Per canonical tensor: the sum of h(canonical, bits) over this rank's copies of it.
-  [[nodiscard]] const std::vector<std::uint64_t>& digest() const noexcept { return digest_; }
+  [[nodiscard]] const std::vector<Digest>& digest() const noexcept { return digest_; }
   // Memory this receiver holds beyond the caller's tensors.
   [[nodiscard]] std::size_t held_bytes() const noexcept {
     return sizeof(*this) + digest_.capacity() * 8 + tensors_.capacity() * sizeof(tensors_[0]);
@@ -194,7 +194,7 @@ class Receiver {
   std::int64_t ts_;
   Version version_ = no_version;
   ReceiverTensors tensors_;
-  std::vector<std::uint64_t> digest_;
+  std::vector<Digest> digest_;
 };
 
 }  // namespace dte

@@ -23,7 +23,7 @@ struct SyncReport {
   std::uint64_t bytes = 0;              // on the wire, all receivers
   std::vector<std::uint64_t> bytes_to;  // per receiver rank
   std::uint64_t dense_bytes = 0;        // what a dense BF16 sync would move: 2 per live element
-  std::uint64_t digest = 0;             // trainer total: sum over canonical tensors
+  std::uint64_t digest = 0;             // trainer total: sum over canonical tensors, mod 2^32
   bool verified = false;                // every replica matched (after repair, if any)
   std::vector<std::string> repaired;    // canonical tensors resent densely
   std::vector<std::int64_t> resynced;   // receivers that refused and got a full resync

@@ -38,7 +38,7 @@
 namespace dte {
 
 struct ScanResult {
-  std::vector<std::uint64_t> digest;  // per canonical tensor, this rank's part (not for mark)
+  std::vector<Digest> digest;  // per canonical tensor, this rank's part (not for mark)
   std::uint64_t scanned = 0, changed = 0, guard = 0, entries = 0;
   double seconds = 0;
 };
@@ -221,7 +221,7 @@ class SenderRank {
     std::vector<std::uint32_t> offsets;  // compacted, tile-relative
     std::vector<std::uint16_t> bits;     // their 16-bit values (full: every value)
     pipeline::RoutedEntries routed;
-    std::vector<std::pair<std::int32_t, std::uint64_t>> digest;  // (canonical tensor, sum)
+    std::vector<std::pair<std::int32_t, Digest>> digest;  // (canonical tensor, sum)
     pipeline::DetectCounts counts;
     std::uint64_t scanned = 0;
     std::int32_t invalid_segment = -1;
@@ -314,7 +314,7 @@ class SenderRank {
         const bool send = run.sender && run.tensor >= 0;
         const std::int64_t canonical = send ? run.canonical + (lo - run.shard_begin) : -1;
         const auto len = static_cast<std::size_t>(hi - lo);
-        std::uint64_t digest = 0;
+        Digest digest = 0;
         if (mode == ScanMode::all) {
           if (!send) continue;
           const float* x = theta.data() + lo;

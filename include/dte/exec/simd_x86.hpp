@@ -85,9 +85,7 @@ struct V {
   using F = __m256;
   using I = __m256i;
   using M = __m256i;
-  struct Acc {
-    __m256i a, b;
-  };
+  using Acc = __m256i;  // digest terms, summed per lane mod 2^32
 
   static F loadf(const float* p) noexcept { return _mm256_loadu_ps(p); }
   static I bits(F x) noexcept { return _mm256_castps_si256(x); }
@@ -117,9 +115,15 @@ struct V {
   static I umax(I a, I b) noexcept { return _mm256_max_epu32(a, b); }
   static I umin(I a, I b) noexcept { return _mm256_min_epu32(a, b); }
   static I smax(I a, I b) noexcept { return _mm256_max_epi32(a, b); }
+  static I smin(I a, I b) noexcept { return _mm256_min_epi32(a, b); }
+  static I iabs(I a) noexcept { return _mm256_abs_epi32(a); }
+  static F tofloat(I a) noexcept { return _mm256_cvtepi32_ps(a); }  // signed integer to float
   static M eqi(I a, I b) noexcept { return _mm256_cmpeq_epi32(a, b); }
   static M gti(I a, I b) noexcept { return _mm256_cmpgt_epi32(a, b); }  // signed
   static M gtu(I a, I b) noexcept { return ltu(b, a); }
+  static M testi(I a, I b) noexcept { return mnot(eqi(iand(a, b), _mm256_setzero_si256())); }
+  static I add_where(I a, M m, I b) noexcept { return iadd(a, iand(m, b)); }  // a + (m ? b : 0)
+  static I sub_where(I a, M m, I b) noexcept { return isub(a, iand(m, b)); }
   static M ltu(I a, I b) noexcept {
     const I s = seti(0x80000000u);
     return _mm256_cmpgt_epi32(ixor(b, s), ixor(a, s));
@@ -137,19 +141,19 @@ struct V {
   static unsigned tobits(M m) noexcept { return static_cast<unsigned>(_mm256_movemask_ps(fl(m))); }
   static bool all(M m) noexcept { return tobits(m) == 0xFFu; }
   static bool any(M m) noexcept { return !_mm256_testz_si256(m, m); }
-  static Acc acc_zero() noexcept { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
-  static void acc_add(Acc& acc, I h) noexcept {
-    acc.a = _mm256_add_epi64(acc.a, _mm256_cvtepu32_epi64(_mm256_castsi256_si128(h)));
-    acc.b = _mm256_add_epi64(acc.b, _mm256_cvtepu32_epi64(_mm256_extracti128_si256(h, 1)));
+  static Acc acc_zero() noexcept { return _mm256_setzero_si256(); }
+  static void acc_add(Acc& acc, I h) noexcept { acc = _mm256_add_epi32(acc, h); }
+  static std::uint32_t acc_sum(const Acc& acc) noexcept {
+    alignas(32) std::uint32_t x[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(x), acc);
+    std::uint32_t s = 0;
+    for (std::uint32_t e : x)
+      s += e;
+    return s;
   }
-  static void acc_merge(Acc& acc, const Acc& o) noexcept {
-    acc.a = _mm256_add_epi64(acc.a, o.a);
-    acc.b = _mm256_add_epi64(acc.b, o.b);
-  }
-  static std::uint64_t acc_sum(const Acc& acc) noexcept {
-    alignas(32) std::uint64_t x[4];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(x), _mm256_add_epi64(acc.a, acc.b));
-    return x[0] + x[1] + x[2] + x[3];
+  // The lane bits of m, V::lanes / 8 bytes at out.
+  static void store_mask(unsigned char* out, M m) noexcept {
+    *out = static_cast<unsigned char>(tobits(m));
   }
 };
 
@@ -180,9 +184,8 @@ struct V {
   using F = __m512;
   using I = __m512i;
   using M = __mmask16;
-  struct Acc {
-    __m512i a, b;
-  };
+  using Acc = __m512i;  // digest terms, summed per lane mod 2^32
+  static constexpr M all_lanes = 0xFFFF;
 
   static F loadf(const float* p) noexcept { return _mm512_loadu_ps(p); }
   static I bits(F x) noexcept { return _mm512_castps_si512(x); }
@@ -196,8 +199,9 @@ struct V {
   static F sub(F a, F b) noexcept { return _mm512_sub_ps(a, b); }
   static F mul(F a, F b) noexcept { return _mm512_mul_ps(a, b); }
   static F div(F a, F b) noexcept { return _mm512_div_ps(a, b); }
-  // (the maskz forms: GCC 12 warns about _mm512_undefined_* inside the unmasked ones)
-  static F sqrt(F a) noexcept { return _mm512_maskz_sqrt_ps(static_cast<__mmask16>(0xFFFF), a); }
+  // (the maskz forms here and below: GCC 12 warns about _mm512_undefined_* inside the unmasked
+  // ones)
+  static F sqrt(F a) noexcept { return _mm512_maskz_sqrt_ps(all_lanes, a); }
   static I iadd(I a, I b) noexcept { return _mm512_add_epi32(a, b); }
   static I isub(I a, I b) noexcept { return _mm512_sub_epi32(a, b); }
   static I imul(I a, I b) noexcept { return _mm512_mullo_epi32(a, b); }
@@ -206,19 +210,27 @@ struct V {
   static I ixor(I a, I b) noexcept { return _mm512_xor_si512(a, b); }
   template <int N>
   static I srl(I a) noexcept {
-    return _mm512_maskz_srli_epi32(static_cast<__mmask16>(0xFFFF), a, N);
+    return _mm512_maskz_srli_epi32(all_lanes, a, N);
   }
   template <int N>
   static I sll(I a) noexcept {
-    return _mm512_maskz_slli_epi32(static_cast<__mmask16>(0xFFFF), a, N);
+    return _mm512_maskz_slli_epi32(all_lanes, a, N);
   }
   static I umax(I a, I b) noexcept { return _mm512_max_epu32(a, b); }
   static I umin(I a, I b) noexcept { return _mm512_min_epu32(a, b); }
   static I smax(I a, I b) noexcept { return _mm512_max_epi32(a, b); }
+  static I smin(I a, I b) noexcept { return _mm512_maskz_min_epi32(all_lanes, a, b); }
+  static I iabs(I a) noexcept { return _mm512_maskz_abs_epi32(all_lanes, a); }
+  static F tofloat(I a) noexcept {  // signed integer to float
+    return _mm512_maskz_cvtepi32_ps(all_lanes, a);
+  }
   static M eqi(I a, I b) noexcept { return _mm512_cmpeq_epi32_mask(a, b); }
   static M gti(I a, I b) noexcept { return _mm512_cmpgt_epi32_mask(a, b); }
   static M ltu(I a, I b) noexcept { return _mm512_cmplt_epu32_mask(a, b); }
   static M gtu(I a, I b) noexcept { return _mm512_cmpgt_epu32_mask(a, b); }
+  static M testi(I a, I b) noexcept { return _mm512_test_epi32_mask(a, b); }
+  static I add_where(I a, M m, I b) noexcept { return _mm512_mask_add_epi32(a, m, a, b); }
+  static I sub_where(I a, M m, I b) noexcept { return _mm512_mask_sub_epi32(a, m, a, b); }
   static M eqf(F a, F b) noexcept { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
   static M gtf(F a, F b) noexcept { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
   static M ltf(F a, F b) noexcept { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
@@ -232,23 +244,12 @@ struct V {
   static unsigned tobits(M m) noexcept { return static_cast<unsigned>(m); }
   static bool all(M m) noexcept { return m == 0xFFFFu; }
   static bool any(M m) noexcept { return m != 0; }
-  static Acc acc_zero() noexcept { return {_mm512_setzero_si512(), _mm512_setzero_si512()}; }
-  static void acc_add(Acc& acc, I h) noexcept {
-    acc.a = _mm512_add_epi64(acc.a, _mm512_cvtepu32_epi64(_mm512_castsi512_si256(h)));
-    acc.b = _mm512_add_epi64(acc.b, _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(h, 1)));
+  static Acc acc_zero() noexcept { return _mm512_setzero_si512(); }
+  static void acc_add(Acc& acc, I h) noexcept { acc = _mm512_add_epi32(acc, h); }
+  static std::uint32_t acc_sum(const Acc& acc) noexcept {
+    return static_cast<std::uint32_t>(_mm512_reduce_add_epi32(acc));
   }
-  static void acc_merge(Acc& acc, const Acc& o) noexcept {
-    acc.a = _mm512_add_epi64(acc.a, o.a);
-    acc.b = _mm512_add_epi64(acc.b, o.b);
-  }
-  static std::uint64_t acc_sum(const Acc& acc) noexcept {
-    alignas(64) std::uint64_t x[8];
-    _mm512_store_si512(x, _mm512_add_epi64(acc.a, acc.b));
-    std::uint64_t s = 0;
-    for (std::uint64_t e : x)
-      s += e;
-    return s;
-  }
+  static void store_mask(unsigned char* out, M m) noexcept { std::memcpy(out, &m, 2); }
 };
 
 #include "dte/exec/detail/detect_adam_bf16.inc"

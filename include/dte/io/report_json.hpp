@@ -14,7 +14,7 @@ namespace dte {
 
 inline void to_json(nlohmann::ordered_json& j, const SyncReport& r) {
   char digest[17];
-  std::snprintf(digest, sizeof digest, "%016llx", static_cast<unsigned long long>(r.digest));
+  std::snprintf(digest, sizeof digest, "%08llx", static_cast<unsigned long long>(r.digest));
   j = nlohmann::ordered_json{
       {"version", r.version},
       {"kind", r.kind},

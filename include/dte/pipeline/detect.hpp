@@ -36,7 +36,7 @@ struct Piece {
 struct DetectCounts {
   std::uint64_t flagged = 0;  // elements to send
   std::uint64_t guard = 0;    // of the detected ones, flagged by the guard band only
-  std::uint64_t digest = 0;   // sum of the digest terms (0 for mark and for undigested pieces)
+  Digest digest = 0;          // sum of the digest terms (0 for mark and for undigested pieces)
   std::int64_t invalid = -1;  // first element of the piece that bind would refuse, or -1
 
   DetectCounts& operator+=(const DetectCounts& o) noexcept {
@@ -85,8 +85,8 @@ inline void or64(std::uint64_t* words, std::uint64_t bit, std::uint64_t v) noexc
 
 // The digest of a piece without reconstruction (a full publication sends every element).
 template <change_detector Detect>
-std::uint64_t digest_piece(const float* theta, std::size_t n, std::int64_t canonical) noexcept {
-  std::uint64_t d = 0;
+Digest digest_piece(const float* theta, std::size_t n, std::int64_t canonical) noexcept {
+  Digest d = 0;
   for (std::size_t j = 0; j < n; ++j) {
     d += element_digest(canonical + static_cast<std::int64_t>(j), Detect::store(theta[j]));
   }
