@@ -3,16 +3,15 @@
 // decoder layer, tp=4, a 4096-token vocabulary: 56.6M shard elements), next to a STREAM-style
 // read of the same 12 bytes per element, over changed fractions {0, 0.1%, 1%, 2%, 10%, 100%}:
 //   BM_memory_read         theta, exp_avg, exp_avg_sq read once (the reference)
-//   BM_detect/F            the detect stage over every run piece (SIMD where the CPU has it)
+//   BM_detect/F            the sender's detect stage over every tile (SIMD where the CPU has it)
 //   BM_publish/F           the whole staged publication as the engine runs it (detect,
-//                          compact, route, bucket/encode in tile order)
+//                          compact, route, encode in tile order)
 //   BM_apply/F             every receiver applying its message
 // bytes_per_second is 12 per shard element for the first three; items are entries for apply.
 // `dte bench pipeline` prints the same figures as ratios in one JSON object.
 #include <benchmark/benchmark.h>
 
-#include <algorithm>
-#include <bit>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -72,66 +71,32 @@ double fraction_of(const benchmark::State& state) {
 void BM_memory_read(benchmark::State& state) {
   World& w = world();
   const sim::ControlledShard& s = shard(0.01);
-  const auto a = s.theta(0, layout::BufferKind::dense);
-  const auto b = s.exp_avg(layout::BufferKind::dense), c = s.exp_avg_sq(layout::BufferKind::dense);
-  const std::size_t n = a.size(), blocks = (n + 65535) / 65536;
-  std::vector<std::uint32_t> partial(static_cast<std::size_t>(w.exec.threads()));
-  for (auto _ : state) {
-    w.exec.for_each(blocks, [&](std::size_t blk, int t) {
-      std::uint32_t acc = 0;
-      for (std::size_t i = blk * 65536; i < std::min(n, blk * 65536 + 65536); ++i)
-        acc |= std::bit_cast<std::uint32_t>(a[i]) ^ std::bit_cast<std::uint32_t>(b[i]) ^
-               std::bit_cast<std::uint32_t>(c[i]);
-      partial[static_cast<std::size_t>(t)] |= acc;
-    });
-    benchmark::DoNotOptimize(partial.data());
-  }
-  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * 12 *
-                          static_cast<std::int64_t>(n));
+  for (auto _ : state)
+    benchmark::DoNotOptimize(s.read_once(w.exec, layout::BufferKind::dense));
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * 12 * w.size);
 }
 
 void BM_detect(benchmark::State& state) {
   World& w = world();
   const sim::ControlledShard& s = shard(fraction_of(state));
-  const layout::TransferPlan& plan = w.sender.plan();
-  const auto theta = s.theta(0, layout::BufferKind::dense);
-  std::vector<AdamWInverse::kernel> kernels;
-  for (const layout::PlanSegment& seg : plan.segments(layout::BufferKind::dense)) {
-    kernels.push_back(
-        AdamWInverse::bind_unchecked(s.hyper(),
-                                     theta.subspan(static_cast<std::size_t>(seg.shard_begin),
-                                                   static_cast<std::size_t>(seg.length)),
-                                     s.state(0, layout::BufferKind::dense, seg)));
-  }
-  const auto runs = w.sender.runs().runs(layout::BufferKind::dense);
-  std::int64_t longest = 0;
-  for (const pipeline::Run& run : runs)
-    longest = std::max(longest, run.length);
-  // One bitmap per thread (each run's own bits, as the engine keeps each tile's).
-  std::vector<std::vector<std::uint64_t>> bits(
-      static_cast<std::size_t>(w.exec.threads()),
-      std::vector<std::uint64_t>(static_cast<std::size_t>(longest / 64 + 2)));
+  const auto dense = layout::BufferKind::dense;
+  const auto theta = s.theta(0, dense);
+  w.sender.bind(s, dense);
+  // The sender's detect stage tile by tile, one tile buffer per thread (as the engine keeps).
+  std::vector<Sender::Tile> tiles(static_cast<std::size_t>(w.exec.threads()));
+  std::vector<std::uint64_t> per(w.sender.tiles(dense), 0);
   std::uint64_t flagged = 0;
+  std::atomic<bool> refused{false};
   for (auto _ : state) {
-    std::vector<std::uint64_t> per(runs.size(), 0);
-    w.exec.for_each(runs.size(), [&](std::size_t r, int t) {
-      const pipeline::Run& run = runs[r];
-      const layout::PlanSegment& seg =
-          plan.segments(layout::BufferKind::dense)[static_cast<std::size_t>(run.segment)];
-      const bool send = run.sender && run.tensor >= 0;
-      const pipeline::Piece piece{static_cast<std::size_t>(run.shard_begin - seg.shard_begin),
-                                  static_cast<std::size_t>(run.length), send ? run.canonical : -1,
-                                  send};
-      std::vector<std::uint64_t>& mine = bits[static_cast<std::size_t>(t)];
-      std::fill(mine.begin(), mine.begin() + run.length / 64 + 1, 0);
-      per[r] = pipeline::detect<BF16Detect>(w.exec, kernels[static_cast<std::size_t>(run.segment)],
-                                            piece, pipeline::ScanMode::detect, nullptr, 0,
-                                            mine.data(), 0)
-                   .flagged;
+    w.exec.for_each(per.size(), [&](std::size_t t, int worker) {
+      Sender::Tile& x = tiles[static_cast<std::size_t>(worker)];
+      if (!w.sender.detect_tile(theta, dense, t, pipeline::ScanMode::detect, x)) refused = true;
+      per[t] = x.counts.flagged;
     });
     for (std::uint64_t f : per)
       flagged += f;
   }
+  if (refused) state.SkipWithError("the controlled shard was refused");
   state.counters["changed_fraction"] = static_cast<double>(flagged) /
                                        static_cast<double>(state.iterations()) /
                                        static_cast<double>(w.size);

@@ -5,7 +5,6 @@
 // compact, route, encode (bucket + wire v2), the whole staged publish as the engine runs it,
 // and the receivers' apply. Best of --repeat runs of each.
 #include <algorithm>
-#include <bit>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -24,9 +23,7 @@
 #include "dte/io/model_config.hpp"
 #include "dte/layout/plan.hpp"
 #include "dte/optim/adam.hpp"
-#include "dte/pipeline/compact.hpp"
 #include "dte/pipeline/detect.hpp"
-#include "dte/pipeline/route.hpp"
 #include "dte/sim/controlled_shard.hpp"
 
 namespace dte::tool {
@@ -55,27 +52,6 @@ double best_seconds(int repeat, F&& f) {
   return best;
 }
 
-// The STREAM-style reference: read three float arrays of the shard's length once (integer ORs
-// of their bits, so the compiler vectorises it without reassociating floats).
-double memory_read_seconds(const HostExecutor& exec, std::span<const float> a,
-                           std::span<const float> b, std::span<const float> c, int repeat,
-                           std::uint32_t& sink) {
-  const std::size_t n = a.size(), blocks = (n + 65535) / 65536;
-  std::vector<std::uint32_t> partial(static_cast<std::size_t>(exec.threads()), 0);
-  return best_seconds(repeat, [&] {
-    exec.for_each(blocks, [&](std::size_t blk, int w) {
-      const std::size_t lo = blk * 65536, hi = std::min(n, lo + 65536);
-      std::uint32_t acc = 0;
-      for (std::size_t i = lo; i < hi; ++i)
-        acc |= std::bit_cast<std::uint32_t>(a[i]) ^ std::bit_cast<std::uint32_t>(b[i]) ^
-               std::bit_cast<std::uint32_t>(c[i]);
-      partial[static_cast<std::size_t>(w)] |= acc;
-    });
-    for (std::uint32_t p : partial)
-      sink |= p;
-  });
-}
-
 struct StageFigures {
   double fraction = 0, changed_fraction = 0;
   double detect_s = 0, compact_s = 0, route_s = 0, encode_s = 0, publish_s = 0, apply_s = 0;
@@ -83,118 +59,51 @@ struct StageFigures {
 };
 
 StageFigures measure(const BenchOptions& o, const HostExecutor& exec, const layout::HfModel& hf,
-                     const layout::TrainTopology& train, const layout::SglangLayout& recv,
-                     Sender& sender, double fraction, std::vector<Receiver>& receivers,
-                     Version& version) {
+                     const layout::SglangLayout& recv, Sender& sender, double fraction,
+                     std::vector<Receiver>& receivers, Version& version) {
   using layout::BufferKind;
   const layout::TransferPlan& plan = sender.plan();
   const sim::ControlledShard shard(plan.shard_size(BufferKind::dense),
                                    plan.shard_size(BufferKind::expert), fraction, 7);
   StageFigures f;
   f.fraction = fraction;
-  const pipeline::RunTable& table = sender.runs();
-  const std::int64_t tile = Sender::tile;
-  // Stage by stage, over tiles in parallel, keeping each stage's output for the next.
-  struct TileOut {
-    std::vector<std::uint64_t> words;
-    std::vector<std::uint32_t> offsets;
-    std::vector<std::uint16_t> bits;
-    std::size_t compacted = 0;
-    pipeline::RoutedEntries routed;
-    std::uint64_t flagged = 0, elements = 0;
-  };
+  // Stage by stage, as the sender runs them, over tiles in parallel, keeping each tile's buffers
+  // for the next stage.
+  ScanResult encoded;
+  encoded.digest.assign(static_cast<std::size_t>(hf.size()), 0);
+  std::vector<std::uint64_t> flagged(
+      static_cast<std::size_t>(recv.topology().ranks() * recv.size()));
   for (BufferKind b : {BufferKind::dense, BufferKind::expert}) {
-    const std::int64_t size = plan.shard_size(b);
-    if (size == 0) continue;
+    if (plan.shard_size(b) == 0) continue;
     const auto theta = shard.theta(o.rank, b);
-    std::vector<AdamWInverse::kernel> kernels;
-    for (const layout::PlanSegment& s : plan.segments(b)) {
-      kernels.push_back(
-          AdamWInverse::bind_unchecked(shard.hyper(),
-                                       theta.subspan(static_cast<std::size_t>(s.shard_begin),
-                                                     static_cast<std::size_t>(s.length)),
-                                       shard.state(o.rank, b, s)));
-    }
-    const auto runs = table.runs(b);
-    const auto tiles = static_cast<std::size_t>((size + tile - 1) / tile);
-    std::vector<std::uint32_t> first_run(tiles + 1, 0);
-    for (std::size_t t = 0, r = 0; t < tiles; ++t) {
-      while (r < runs.size() &&
-             runs[r].shard_begin + runs[r].length <= static_cast<std::int64_t>(t) * tile)
-        ++r;
-      first_run[t] = static_cast<std::uint32_t>(r);
-    }
-    first_run[tiles] = static_cast<std::uint32_t>(runs.size());
-    std::vector<TileOut> out(tiles);
+    sender.bind(shard, b);
+    std::vector<Sender::Tile> out(sender.tiles(b));
+    auto each_tile = [&](auto&& stage) {
+      exec.for_each(out.size(), [&](std::size_t t, int) { stage(t, out[t]); });
+    };
     f.detect_s += best_seconds(o.repeat, [&] {
-      exec.for_each(tiles, [&](std::size_t t, int) {
-        TileOut& x = out[t];
-        const std::int64_t lo = static_cast<std::int64_t>(t) * tile, hi = std::min(size, lo + tile);
-        x.words.assign(static_cast<std::size_t>((hi - lo + 63) / 64), 0);
-        x.flagged = x.elements = 0;
-        for (std::uint32_t r = first_run[t]; r < runs.size() && runs[r].shard_begin < hi; ++r) {
-          const pipeline::Run& run = runs[r];
-          const std::int64_t a = std::max(lo, run.shard_begin),
-                             e = std::min(hi, run.shard_begin + run.length);
-          const layout::PlanSegment& seg = plan.segments(b)[static_cast<std::size_t>(run.segment)];
-          const bool send = run.sender && run.tensor >= 0;
-          const pipeline::Piece piece{static_cast<std::size_t>(a - seg.shard_begin),
-                                      static_cast<std::size_t>(e - a),
-                                      send ? run.canonical + (a - run.shard_begin) : -1, send};
-          const pipeline::DetectCounts c =
-              pipeline::detect<BF16Detect>(exec, kernels[static_cast<std::size_t>(run.segment)],
-                                           piece, pipeline::ScanMode::detect, nullptr, 0,
-                                           x.words.data(), static_cast<std::uint64_t>(a - lo));
-          x.flagged += c.flagged;
-          if (send) x.elements += piece.length;
+      each_tile([&](std::size_t t, Sender::Tile& x) {
+        if (!sender.detect_tile(theta, b, t, pipeline::ScanMode::detect, x)) {
+          throw error("dte bench: the controlled shard was refused");
         }
       });
     });
     f.compact_s += best_seconds(o.repeat, [&] {
-      exec.for_each(tiles, [&](std::size_t t, int) {
-        TileOut& x = out[t];
-        const std::int64_t lo = static_cast<std::int64_t>(t) * tile, hi = std::min(size, lo + tile);
-        const auto n = static_cast<std::size_t>(hi - lo);
-        x.offsets.resize(n);
-        x.bits.resize(n);
-        x.compacted = pipeline::compact<BF16Detect>(x.words.data(), n, theta.data() + lo,
-                                                    x.offsets.data(), x.bits.data());
-      });
+      each_tile([&](std::size_t t, Sender::Tile& x) { sender.compact_tile(theta, b, t, x); });
     });
     f.route_s += best_seconds(o.repeat, [&] {
-      exec.for_each(tiles, [&](std::size_t t, int) {
-        TileOut& x = out[t];
-        const std::int64_t lo = static_cast<std::int64_t>(t) * tile;
-        x.routed.clear();
-        const std::uint32_t last =
-            std::min<std::uint32_t>(static_cast<std::uint32_t>(runs.size()), first_run[t + 1] + 1);
-        pipeline::route(table, runs.subspan(first_run[t], last - first_run[t]), lo,
-                        std::span(x.offsets).first(x.compacted),
-                        std::span(x.bits).first(x.compacted), x.routed);
-      });
+      each_tile([&](std::size_t t, Sender::Tile& x) { sender.route_tile(b, t, x); });
     });
-    // Encode: bucket each tile's entries by receiver and append them to one message each.
-    std::vector<wire::MessageWriter> writers(static_cast<std::size_t>(recv.topology().ranks()));
     f.encode_s += best_seconds(o.repeat, [&] {
-      for (wire::MessageWriter& w : writers)
-        w.begin();
-      std::vector<std::uint64_t> first;
-      std::vector<std::uint32_t> order;
-      for (const TileOut& x : out) {
-        pipeline::bucket(exec, x.routed, writers.size(), first, order);
-        for (std::size_t d = 0; d < writers.size(); ++d) {
-          for (std::uint64_t i = first[d]; i < first[d + 1]; ++i) {
-            const std::uint32_t e = order[i];
-            writers[d].add(x.routed.tensor[e], x.routed.index[e], x.routed.bits[e]);
-          }
-        }
-      }
-      for (wire::MessageWriter& w : writers)
-        w.finish(MessageKind::delta, 1, 0);
+      sender.begin_messages();
+      for (const Sender::Tile& x : out)
+        sender.encode_tile(x, encoded, flagged);
+      (void)sender.finish(MessageKind::delta, 1, 0);
     });
-    for (const TileOut& x : out) {
-      f.flagged += x.flagged;
-      f.elements += x.elements;
+    sender.release();
+    for (const Sender::Tile& x : out) {
+      f.flagged += x.counts.flagged;
+      f.elements += x.scanned;
     }
   }
   // The whole publication as the engine runs it (tiles in parallel, encode in order), then
@@ -223,7 +132,6 @@ StageFigures measure(const BenchOptions& o, const HostExecutor& exec, const layo
   f.apply_s = std::chrono::duration<double>(Clock::now() - t0).count();
   f.changed_fraction =
       f.elements ? static_cast<double>(f.flagged) / static_cast<double>(f.elements) : 0;
-  (void)hf, (void)train;
   return f;
 }
 
@@ -285,15 +193,14 @@ int run_pipeline(const BenchOptions& o) {
                                   plan.shard_size(layout::BufferKind::expert), 0.01, 3);
   double read_s = 1e300;
   auto read = [&](int repeat) {
-    read_s = std::min(
-        read_s, memory_read_seconds(exec, data.theta(0, layout::BufferKind::dense),
-                                    data.exp_avg(layout::BufferKind::dense),
-                                    data.exp_avg_sq(layout::BufferKind::dense), repeat, sink));
+    read_s = std::min(read_s, best_seconds(repeat, [&] {
+                        sink |= data.read_once(exec, layout::BufferKind::dense);
+                      }));
   };
   read(std::max(5, o.repeat));
   std::vector<StageFigures> figures;
   for (double fraction : o.fractions) {
-    figures.push_back(measure(o, exec, hf, train, recv, sender, fraction, receivers, version));
+    figures.push_back(measure(o, exec, hf, recv, sender, fraction, receivers, version));
     read(2);
   }
   const double dense_elements = static_cast<double>(plan.shard_size(layout::BufferKind::dense));

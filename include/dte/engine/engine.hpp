@@ -203,7 +203,7 @@ class DeltaEngine
     inbox.clear();
     const double apply_s = since(t0);
     t0 = std::chrono::steady_clock::now();
-    if (config_.verify) verify_and_repair(applied, rep, access);
+    if (config_.verify) verify_and_repair(rep, access);
     const double verify_s = since(t0);
 
     // 4. The report: sums, per-receiver bytes, and per-rank figures whose maximum is reported.
@@ -270,8 +270,7 @@ class DeltaEngine
   // the copies a replica holds; the sums and the refusals are summed over the world, so every
   // rank reaches the same verdict and takes part in the same repair.
   template <class Access>
-  void verify_and_repair(const ApplyResult& applied, SyncReport& rep, Access& access) {
-    (void)applied;
+  void verify_and_repair(SyncReport& rep, Access& access) {
     const auto& it = recv_layout_->topology();
     const auto tensors = static_cast<std::size_t>(hf_->size());
     const auto receivers = static_cast<std::size_t>(transport_->receivers());

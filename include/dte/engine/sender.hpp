@@ -91,6 +91,25 @@ class SenderRank {
     scratch_.resize(static_cast<std::size_t>(std::max(1, exec_.threads())));
   }
 
+  // One tile's buffers between the stages. The engine reuses one per executor thread, tile after
+  // tile; the benchmark keeps one per tile to time each stage on its own.
+  struct Tile {
+    std::vector<std::uint64_t> words;    // one bit per tile offset: send
+    std::vector<std::uint32_t> offsets;  // compacted, tile-relative
+    std::vector<std::uint16_t> bits;     // their 16-bit values (full: every value)
+    std::size_t compacted = 0;
+    pipeline::RoutedEntries routed;
+    std::vector<std::pair<std::int32_t, Digest>> digest;  // (canonical tensor, sum)
+    pipeline::DetectCounts counts;
+    std::uint64_t scanned = 0;
+    std::int32_t invalid_segment = -1;
+
+    [[nodiscard]] std::size_t bytes() const noexcept {
+      return words.capacity() * 8 + offsets.capacity() * 4 + bits.capacity() * 2 + routed.bytes() +
+             digest.capacity() * 16;
+    }
+  };
+
   [[nodiscard]] std::int64_t rank() const noexcept { return rank_; }
   [[nodiscard]] const Plan& plan() const noexcept { return plan_; }
   [[nodiscard]] const pipeline::RunTable& runs() const noexcept { return table_; }
@@ -182,6 +201,126 @@ class SenderRank {
            sizeof(kernel) * (kernels_[0].capacity() + kernels_[1].capacity()) + scratch_bytes();
   }
 
+  // ---- The stages of one tile, as scan() runs them (public for the benchmark) ----
+
+  // The inverse of every segment of buffer b, without the pass over the elements (the detect
+  // stage checks each element as it reads it). Before the detect stage of b's tiles.
+  template <class Access>
+  void bind(const Access& access, layout::BufferKind b) {
+    auto& ks = kernels_[idx(b)];
+    ks.clear();
+    const std::span<const float> theta = access.theta(rank_, b);
+    for (const layout::PlanSegment& s : plan_.segments(b)) {
+      const auto part = theta.subspan(static_cast<std::size_t>(s.shard_begin),
+                                      static_cast<std::size_t>(s.length));
+      ks.push_back(Inverse::bind_unchecked(access.hyperparameters(rank_, b, s), part,
+                                           access.state(rank_, b, s), label(s)));
+    }
+  }
+
+  [[nodiscard]] std::size_t tiles(layout::BufferKind b) const noexcept {
+    return tile_run_[idx(b)].size() - 1;
+  }
+
+  // Stage 1 over tile t of buffer b (theta: the buffer's weights): the send bits, counts and
+  // digest sums of every run piece in the tile; all: every value's bits instead. Resets the
+  // tile first; skip: leave it empty (a refusal elsewhere). Returns false when an element is
+  // refused (s.invalid_segment names its segment).
+  bool detect_tile(std::span<const float> theta, layout::BufferKind b, std::size_t t,
+                   pipeline::ScanMode mode, Tile& s, bool skip = false) {
+    using pipeline::ScanMode;
+    s.counts = {};
+    s.scanned = 0;
+    s.invalid_segment = -1;
+    s.compacted = 0;
+    s.digest.clear();
+    s.routed.clear();
+    if (skip) return false;
+    const auto runs = table_.runs(b);
+    const auto& segs = plan_.segments(b);
+    std::uint64_t* mask = masks_[idx(b)].empty() ? nullptr : masks_[idx(b)].data();
+    const std::int64_t begin = static_cast<std::int64_t>(t) * tile;
+    const std::int64_t end = std::min(plan_.shard_size(b), begin + tile);
+    const auto n = static_cast<std::size_t>(end - begin);
+    s.words.assign((n + 63) / 64, 0);
+    if (mode == ScanMode::all) s.bits.resize(n);
+    for (std::uint32_t r = tile_run_[idx(b)][t]; r < runs.size(); ++r) {
+      const pipeline::Run& run = runs[r];
+      if (run.shard_begin >= end) break;
+      const std::int64_t lo = std::max(begin, run.shard_begin);
+      const std::int64_t hi = std::min(end, run.shard_begin + run.length);
+      const bool send = run.sender && run.tensor >= 0;
+      const std::int64_t canonical = send ? run.canonical + (lo - run.shard_begin) : -1;
+      const auto len = static_cast<std::size_t>(hi - lo);
+      Digest digest = 0;
+      if (mode == ScanMode::all) {
+        if (!send) continue;
+        digest = pipeline::store_piece<Detect>(theta.data() + lo, len, canonical,
+                                               s.bits.data() + (lo - begin));
+        s.scanned += len;
+      } else {
+        const layout::PlanSegment& seg = segs[static_cast<std::size_t>(run.segment)];
+        const pipeline::Piece piece{static_cast<std::size_t>(lo - seg.shard_begin), len, canonical,
+                                    send};
+        const pipeline::DetectCounts c = pipeline::detect<Detect>(
+            exec_, kernels_[idx(b)][static_cast<std::size_t>(run.segment)], piece, mode, mask,
+            static_cast<std::uint64_t>(lo), s.words.data(), static_cast<std::uint64_t>(lo - begin));
+        if (c.invalid >= 0) {
+          s.invalid_segment = run.segment;
+          return false;
+        }
+        s.counts += c;
+        digest = c.digest;
+        if (send && mode != ScanMode::mark) s.scanned += len;
+      }
+      if (send && mode != ScanMode::mark) {
+        if (!s.digest.empty() && s.digest.back().first == run.tensor) {
+          s.digest.back().second += digest;
+        } else {
+          s.digest.emplace_back(run.tensor, digest);
+        }
+      }
+    }
+    return true;
+  }
+
+  // Stage 2: the flagged offsets of the tile and their bits.
+  void compact_tile(std::span<const float> theta, layout::BufferKind b, std::size_t t, Tile& s) {
+    const std::int64_t begin = static_cast<std::int64_t>(t) * tile;
+    const auto n = static_cast<std::size_t>(std::min(plan_.shard_size(b), begin + tile) - begin);
+    s.offsets.resize(n);
+    s.bits.resize(n);
+    s.compacted = pipeline::compact<Detect>(s.words.data(), n, theta.data() + begin,
+                                            s.offsets.data(), s.bits.data());
+  }
+
+  // Stage 3: every receiver copy of the compacted elements.
+  void route_tile(layout::BufferKind b, std::size_t t, Tile& s) {
+    const auto runs = table_.runs(b);
+    const std::uint32_t first = tile_run_[idx(b)][t];
+    const std::uint32_t stop_run = std::min<std::uint32_t>(static_cast<std::uint32_t>(runs.size()),
+                                                           tile_run_[idx(b)][t + 1] + 1);
+    s.routed.clear();
+    pipeline::route(table_, runs.subspan(first, stop_run - first),
+                    static_cast<std::int64_t>(t) * tile, std::span(s.offsets).first(s.compacted),
+                    std::span(s.bits).first(s.compacted), s.routed);
+  }
+
+  // Stage 4, in tile order: each routed entry appended to its receiver's message (the messages
+  // are the buckets), except for (receiver, tensor) pairs sent dense this time; flagged counts
+  // the entries per pair for the next publication's dense prediction.
+  void encode_tile(const Tile& s, ScanResult& out, std::vector<std::uint64_t>& flagged) {
+    out.changed += s.counts.flagged;
+    const pipeline::RoutedEntries& e = s.routed;
+    for (std::size_t i = 0; i < e.size(); ++i) {
+      const std::size_t x = cell(e.rank[i], e.tensor[i]);
+      ++flagged[x];
+      if (dense_[x]) continue;
+      writers_[e.rank[i]].add(e.tensor[i], e.index[i], e.bits[i]);
+      ++out.entries;
+    }
+  }
+
   // Repair messages: every element of the bad canonical tensors to every receiver holding it,
   // and everything to the receivers that must resync; current values, as dense runs. Kind
   // repair, or full for a resyncing receiver; an empty repair is an empty payload.
@@ -215,26 +354,9 @@ class SenderRank {
                                                     layout::BufferKind::expert};
   static int idx(layout::BufferKind b) noexcept { return static_cast<int>(b); }
 
-  // One executor thread's tile buffers (reused tile after tile).
-  struct Scratch {
-    std::vector<std::uint64_t> words;    // one bit per tile offset: send
-    std::vector<std::uint32_t> offsets;  // compacted, tile-relative
-    std::vector<std::uint16_t> bits;     // their 16-bit values (full: every value)
-    pipeline::RoutedEntries routed;
-    std::vector<std::pair<std::int32_t, Digest>> digest;  // (canonical tensor, sum)
-    pipeline::DetectCounts counts;
-    std::uint64_t scanned = 0;
-    std::int32_t invalid_segment = -1;
-
-    [[nodiscard]] std::size_t bytes() const noexcept {
-      return words.capacity() * 8 + offsets.capacity() * 4 + bits.capacity() * 2 + routed.bytes() +
-             digest.capacity() * 16;
-    }
-  };
-
   [[nodiscard]] std::uint64_t scratch_bytes() const noexcept {
     std::uint64_t n = 0;
-    for (const Scratch& s : scratch_)
+    for (const Tile& s : scratch_)
       n += s.bytes();
     return n;
   }
@@ -246,21 +368,6 @@ class SenderRank {
   [[nodiscard]] std::string label(const layout::PlanSegment& s) const {
     return "trainer rank " + std::to_string(rank_) + " " +
            std::string(plan_.params()[static_cast<std::size_t>(s.param)].name());
-  }
-
-  // The inverse of every segment of buffer b, without the pass over the elements (the detect
-  // stage checks each element as it reads it).
-  template <class Access>
-  void bind(const Access& access, layout::BufferKind b) {
-    auto& ks = kernels_[idx(b)];
-    ks.clear();
-    const std::span<const float> theta = access.theta(rank_, b);
-    for (const layout::PlanSegment& s : plan_.segments(b)) {
-      const auto part = theta.subspan(static_cast<std::size_t>(s.shard_begin),
-                                      static_cast<std::size_t>(s.length));
-      ks.push_back(Inverse::bind_unchecked(access.hyperparameters(rank_, b, s), part,
-                                           access.state(rank_, b, s), label(s)));
-    }
   }
 
   // A segment's state was refused by the detect stage: bind with every check, which throws
@@ -283,87 +390,18 @@ class SenderRank {
   void scan_buffer(const Access& access, layout::BufferKind b, pipeline::ScanMode mode,
                    ScanResult& out, std::vector<std::uint64_t>& flagged) {
     using pipeline::ScanMode;
-    const std::int64_t size = plan_.shard_size(b);
-    if (size == 0) return;
+    if (plan_.shard_size(b) == 0) return;
     const std::span<const float> theta = access.theta(rank_, b);
-    const auto tiles = static_cast<std::size_t>((size + tile - 1) / tile);
-    const auto runs = table_.runs(b);
-    const auto& segs = plan_.segments(b);
-    const auto& ks = kernels_[idx(b)];
-    std::uint64_t* mask = masks_[idx(b)].empty() ? nullptr : masks_[idx(b)].data();
     std::atomic<bool> stop{false};  // a refusal: later tiles need not be looked at
-
     auto par = [&](std::size_t t, int worker) {
-      Scratch& s = scratch_[static_cast<std::size_t>(worker)];
-      s.counts = {};
-      s.scanned = 0;
-      s.invalid_segment = -1;
-      s.digest.clear();
-      s.routed.clear();
-      if (stop.load(std::memory_order_relaxed)) return;
-      const std::int64_t begin = static_cast<std::int64_t>(t) * tile;
-      const std::int64_t end = std::min(size, begin + tile);
-      const auto n = static_cast<std::size_t>(end - begin);
-      s.words.assign((n + 63) / 64, 0);
-      if (mode == ScanMode::all) s.bits.resize(n);
-      for (std::uint32_t r = tile_run_[idx(b)][t]; r < runs.size(); ++r) {
-        const pipeline::Run& run = runs[r];
-        if (run.shard_begin >= end) break;
-        const std::int64_t lo = std::max(begin, run.shard_begin);
-        const std::int64_t hi = std::min(end, run.shard_begin + run.length);
-        const bool send = run.sender && run.tensor >= 0;
-        const std::int64_t canonical = send ? run.canonical + (lo - run.shard_begin) : -1;
-        const auto len = static_cast<std::size_t>(hi - lo);
-        Digest digest = 0;
-        if (mode == ScanMode::all) {
-          if (!send) continue;
-          const float* x = theta.data() + lo;
-          std::uint16_t* bits = s.bits.data() + (lo - begin);
-          for (std::size_t j = 0; j < len; ++j)
-            bits[j] = Detect::store(x[j]);
-          for (std::size_t j = 0; j < len; ++j)
-            digest += element_digest(canonical + static_cast<std::int64_t>(j), bits[j]);
-          s.scanned += len;
-        } else {
-          const layout::PlanSegment& seg = segs[static_cast<std::size_t>(run.segment)];
-          const pipeline::Piece piece{static_cast<std::size_t>(lo - seg.shard_begin), len,
-                                      canonical, send};
-          const pipeline::DetectCounts c =
-              pipeline::detect<Detect>(exec_, ks[static_cast<std::size_t>(run.segment)], piece,
-                                       mode, mask, static_cast<std::uint64_t>(lo), s.words.data(),
-                                       static_cast<std::uint64_t>(lo - begin));
-          if (c.invalid >= 0) {
-            s.invalid_segment = run.segment;
-            return;
-          }
-          s.counts += c;
-          digest = c.digest;
-          if (send && mode != ScanMode::mark) s.scanned += len;
-        }
-        if (send && mode != ScanMode::mark) {
-          if (!s.digest.empty() && s.digest.back().first == run.tensor) {
-            s.digest.back().second += digest;
-          } else {
-            s.digest.emplace_back(run.tensor, digest);
-          }
-        }
-      }
+      Tile& s = scratch_[static_cast<std::size_t>(worker)];
+      if (!detect_tile(theta, b, t, mode, s, stop.load(std::memory_order_relaxed))) return;
       if (mode == ScanMode::mark || mode == ScanMode::all) return;
-      // compact, then route (only the flagged elements)
-      s.offsets.resize(n);
-      s.bits.resize(n);
-      const std::size_t k = pipeline::compact<Detect>(s.words.data(), n, theta.data() + begin,
-                                                      s.offsets.data(), s.bits.data());
-      const std::uint32_t first = tile_run_[idx(b)][t];
-      const std::uint32_t last = tile_run_[idx(b)][t + 1];
-      const std::uint32_t stop_run =
-          std::min<std::uint32_t>(static_cast<std::uint32_t>(runs.size()), last + 1);
-      pipeline::route(table_, runs.subspan(first, stop_run - first), begin,
-                      std::span(s.offsets).first(k), std::span(s.bits).first(k), s.routed);
+      compact_tile(theta, b, t, s);
+      route_tile(b, t, s);
     };
-
     auto ser = [&](std::size_t t, int worker) {
-      Scratch& s = scratch_[static_cast<std::size_t>(worker)];
+      Tile& s = scratch_[static_cast<std::size_t>(worker)];
       if (stop.load(std::memory_order_relaxed)) return;
       if (s.invalid_segment >= 0) {
         invalid_segment_ = s.invalid_segment;
@@ -379,27 +417,18 @@ class SenderRank {
         emit_tile_runs(b, t, s);
         return;
       }
-      out.changed += s.counts.flagged;
-      // encode, in shard order
-      const pipeline::RoutedEntries& e = s.routed;
-      for (std::size_t i = 0; i < e.size(); ++i) {
-        const std::size_t x = cell(e.rank[i], e.tensor[i]);
-        ++flagged[x];
-        if (dense_[x]) continue;
-        writers_[e.rank[i]].add(e.tensor[i], e.index[i], e.bits[i]);
-        ++out.entries;
-      }
+      encode_tile(s, out, flagged);
     };
-    exec_.for_each_ordered(tiles, par, ser);
+    exec_.for_each_ordered(tiles(b), par, ser);
     if (mode == ScanMode::all) {
-      for (const pipeline::Run& run : runs) {
+      for (const pipeline::Run& run : table_.runs(b)) {
         if (run.sender && run.tensor >= 0) out.changed += static_cast<std::uint64_t>(run.length);
       }
     }
   }
 
   // A full publication: tile t's pieces of every run, as dense runs to every copy.
-  void emit_tile_runs(layout::BufferKind b, std::size_t t, const Scratch& s) {
+  void emit_tile_runs(layout::BufferKind b, std::size_t t, const Tile& s) {
     const auto runs = table_.runs(b);
     const std::int64_t begin = static_cast<std::int64_t>(t) * tile;
     const std::int64_t end = std::min(plan_.shard_size(b), begin + tile);
@@ -458,7 +487,7 @@ class SenderRank {
   std::vector<wire::MessageWriter> writers_;  // one per receiver
   std::vector<std::uint64_t> contributed_, run_count_;  // per receiver * receiver tensor
   std::vector<std::uint8_t> dense_;
-  std::vector<Scratch> scratch_;
+  std::vector<Tile> scratch_;  // one per executor thread
   std::int32_t invalid_segment_ = -1;
 };
 

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Stage 2, compact: the elements the detect stage flagged, as their offsets and the 16-bit
-// bits the receivers will store (a two-pass count/scan/write on the host when tiles run in
-// parallel; CUB's DeviceSelect on the CUDA backend).
+// bits the receivers will store (on the host one pass per tile into tile-sized buffers; CUB's
+// DeviceSelect on the CUDA backend).
 #pragma once
 
 #include <bit>
@@ -31,14 +31,6 @@ std::size_t compact(const std::uint64_t* words, std::size_t n, const float* thet
       m &= m - 1;
     }
   }
-  return k;
-}
-
-// The number of set bits (the count pass of a two-pass compaction).
-inline std::size_t count_flagged(const std::uint64_t* words, std::size_t n) noexcept {
-  std::size_t k = 0;
-  for (std::size_t w = 0; w < (n + 63) / 64; ++w)
-    k += static_cast<std::size_t>(std::popcount(words[w]));
   return k;
 }
 

@@ -83,13 +83,16 @@ inline void or64(std::uint64_t* words, std::uint64_t bit, std::uint64_t v) noexc
 
 }  // namespace detail
 
-// The digest of a piece without reconstruction (a full publication sends every element).
+// A piece of a full publication (every element sent, no reconstruction): bits[j] =
+// Detect::store(theta[j]); returns the sum of their digest terms.
 template <change_detector Detect>
-Digest digest_piece(const float* theta, std::size_t n, std::int64_t canonical) noexcept {
+Digest store_piece(const float* theta, std::size_t n, std::int64_t canonical,
+                   std::uint16_t* bits) noexcept {
+  for (std::size_t j = 0; j < n; ++j)
+    bits[j] = Detect::store(theta[j]);
   Digest d = 0;
-  for (std::size_t j = 0; j < n; ++j) {
-    d += element_digest(canonical + static_cast<std::int64_t>(j), Detect::store(theta[j]));
-  }
+  for (std::size_t j = 0; j < n; ++j)
+    d += element_digest(canonical + static_cast<std::int64_t>(j), bits[j]);
   return d;
 }
 

@@ -1,9 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// Stage 3, route, and stage 4a, bucket: only the compacted elements go through the plan. Each
-// changed shard offset lies in one run (both are in shard order, so a merge walk finds it), and
-// every receiver copy of the run is affine: (receiver rank, receiver tensor, first index +
-// offset into the run). Replicas and TP copies each get one entry. Bucketing groups the routed
-// entries by receiver (histogram, exclusive scan, scatter), keeping shard order within each.
+// Stage 3, route: only the compacted elements go through the plan. Each changed shard offset
+// lies in one run (both are in shard order, so a merge walk finds it), and every receiver copy
+// of the run is affine: (receiver rank, receiver tensor, first index + offset into the run).
+// Replicas and TP copies each get one entry.
 #pragma once
 
 #include <cstddef>
@@ -11,7 +10,6 @@
 #include <span>
 #include <vector>
 
-#include "dte/concepts.hpp"
 #include "dte/pipeline/runs.hpp"
 
 namespace dte::pipeline {
@@ -55,22 +53,6 @@ inline void route(const RunTable& table, std::span<const Run> runs, std::int64_t
       out.push(t.rank, t.tensor, t.index + delta, bits[k]);
     }
   }
-}
-
-// Groups entries by receiver: on return, order[first[d], first[d + 1]) lists the entries of
-// receiver d, in their original order. first has receivers + 1 elements.
-template <executor Exec>
-void bucket(const Exec& exec, const RoutedEntries& in, std::size_t receivers,
-            std::vector<std::uint64_t>& first, std::vector<std::uint32_t>& order) {
-  std::vector<std::uint64_t> counts(receivers, 0);
-  for (std::uint32_t r : in.rank)
-    ++counts[r];
-  first.assign(receivers + 1, 0);
-  first[receivers] = exec.exclusive_scan(counts, std::span(first).first(receivers));
-  order.resize(in.size());
-  std::vector<std::uint64_t> at(first.begin(), first.end() - 1);
-  for (std::size_t e = 0; e < in.size(); ++e)
-    order[at[in.rank[e]]++] = static_cast<std::uint32_t>(e);
 }
 
 }  // namespace dte::pipeline

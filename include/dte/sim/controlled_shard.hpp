@@ -6,6 +6,8 @@
 // engine's stages (concept trainer_access) over it.
 #pragma once
 
+#include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <span>
@@ -80,12 +82,29 @@ class ControlledShard {
     };
     return {part(m_[static_cast<int>(b)]), part(v_[static_cast<int>(b)])};
   }
-  [[nodiscard]] const AdamHyperparameters& hyper() const noexcept { return h_; }
-  [[nodiscard]] std::span<const float> exp_avg(layout::BufferKind b) const {
-    return m_[static_cast<int>(b)];
-  }
-  [[nodiscard]] std::span<const float> exp_avg_sq(layout::BufferKind b) const {
-    return v_[static_cast<int>(b)];
+
+  // The benchmarks' STREAM-style reference: buffer b's theta, exp_avg and exp_avg_sq (the
+  // detect stage's 12 bytes per element) read once on the executor's threads, in blocks of 64K
+  // elements (integer ORs of their bits, so the compiler vectorises it without reassociating
+  // floats). Returns the OR, which the caller keeps alive.
+  template <executor Exec>
+  std::uint32_t read_once(const Exec& exec, layout::BufferKind b) const {
+    const int k = static_cast<int>(b);
+    const float *a = theta_[k].data(), *m = m_[k].data(), *v = v_[k].data();
+    const std::size_t n = theta_[k].size(), blocks = (n + 65535) / 65536;
+    std::vector<std::uint32_t> partial(static_cast<std::size_t>(exec.threads()), 0);
+    exec.for_each(blocks, [&](std::size_t blk, int w) {
+      const std::size_t lo = blk * 65536, hi = std::min(n, lo + 65536);
+      std::uint32_t acc = 0;
+      for (std::size_t i = lo; i < hi; ++i)
+        acc |= std::bit_cast<std::uint32_t>(a[i]) ^ std::bit_cast<std::uint32_t>(m[i]) ^
+               std::bit_cast<std::uint32_t>(v[i]);
+      partial[static_cast<std::size_t>(w)] |= acc;
+    });
+    std::uint32_t all = 0;
+    for (std::uint32_t x : partial)
+      all |= x;
+    return all;
   }
 
  private:
