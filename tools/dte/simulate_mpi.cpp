@@ -9,6 +9,7 @@
 
 #include <mpi.h>
 
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <string>
@@ -18,6 +19,7 @@
 #include "commands.hpp"
 #include "dte/detect/detect.hpp"
 #include "dte/engine/engine.hpp"
+#include "dte/error.hpp"
 #include "dte/sim/dense_check.hpp"
 #include "dte/transport/mpi.hpp"
 #include "simulate_driver.hpp"
@@ -145,6 +147,12 @@ int simulate_mpi(const SimulateOptions& o) {
       }
       std::fprintf(stderr, "dte: error on %s: %s%s\n", role.c_str(), e.what(), held.c_str());
       std::fflush(stderr);
+      // A rank that stalled or died is waited for by every other rank, each at its own point
+      // and deadline: give them one deadline to say so before the job is torn down (the first
+      // to time out would otherwise kill the rest mid-wait, and with them their diagnosis).
+      if (dynamic_cast<const deadline_error*>(&e) != nullptr) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(o.deadline_ms));
+      }
       MPI_Abort(MPI_COMM_WORLD, exit_bad_input);
       return exit_bad_input;
     }
