@@ -24,6 +24,7 @@
 #include "dte/optim/adam.hpp"
 #include "dte/pipeline/detect.hpp"
 #include "dte/sim/controlled_shard.hpp"
+#include "dte/sim/full_message.hpp"
 
 namespace {
 
@@ -134,27 +135,31 @@ void BM_apply(benchmark::State& state) {
     inbox[d].emplace_back(0, std::move(bytes));
   }
   w.sender.release();
-  // The receivers' own tensors; a full message would bring them to version 0, but a receiver
-  // accepts a delta only on its base, so each iteration applies a delta on version 0 to
-  // receivers that hold 0 (re-armed without timing).
+  // The receivers' own tensors; a full message brings them to version 0, and a receiver accepts
+  // a delta only on its base and never moves backwards, so each iteration applies the delta on
+  // version 0 to fresh receivers brought to 0 (without timing). Each takes this one trainer
+  // rank's message as a whole publication.
   std::vector<std::vector<std::vector<std::uint16_t>>> storage(out.size());
-  std::vector<std::unique_ptr<Receiver>> receivers;
+  std::vector<ReceiverTensors> views(out.size());
   for (std::size_t d = 0; d < out.size(); ++d) {
-    ReceiverTensors views;
     for (std::int64_t k = 0; k < w.recv.size(); ++k) {
       storage[d].emplace_back(static_cast<std::size_t>(w.recv[k].numel), std::uint16_t{0});
-      views.emplace_back(storage[d].back());
+      views[d].emplace_back(storage[d].back());
     }
-    receivers.push_back(
-        std::make_unique<Receiver>(w.hf, w.recv, static_cast<std::int64_t>(d), views));
   }
-  wire::Message empty_full;
-  empty_full.kind = MessageKind::full;
-  const Inbox arm{{0, wire::encode(empty_full)}};
+  std::vector<std::unique_ptr<Receiver>> receivers(out.size());
+  std::vector<Inbox> arm(out.size());
+  for (std::size_t d = 0; d < out.size(); ++d) {
+    const std::int64_t ts = static_cast<std::int64_t>(d) % w.recv.topology().tp;
+    arm[d].emplace_back(0, wire::encode(sim::full_message(w.recv, ts, 0, 0)));
+  }
   for (auto _ : state) {
     state.PauseTiming();
-    for (auto& rx : receivers)
-      (void)rx->apply(0, arm);
+    for (std::size_t d = 0; d < out.size(); ++d) {
+      receivers[d] =
+          std::make_unique<Receiver>(w.hf, w.recv, static_cast<std::int64_t>(d), 1, views[d]);
+      if (!receivers[d]->apply(0, arm[d]).committed()) state.SkipWithError("arming refused");
+    }
     state.ResumeTiming();
     w.exec.for_each(receivers.size(), [&](std::size_t d, int) {
       benchmark::DoNotOptimize(receivers[d]->apply(1, inbox[d]).written);

@@ -6,7 +6,7 @@
 set -euo pipefail
 
 packages=(
-  cmake ninja-build g++ ccache clang-format
+  cmake ninja-build g++ ccache clang-format clang-14 libclang-rt-14-dev
   doctest-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev libzstd-dev libxxhash-dev
   python3 python3-torch
   libopenmpi-dev openmpi-bin

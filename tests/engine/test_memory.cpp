@@ -131,7 +131,7 @@ TEST_CASE(
     views.emplace_back(storage.back());
     model_bytes += 2 * recv[k].numel;
   }
-  // A full publication (every element as dense runs) and a delta touching 1% of the elements.
+  // A full publication (every live element as dense runs) and a delta touching 1% of them.
   wire::Message full;
   full.kind = MessageKind::full;
   full.version = 0;
@@ -139,7 +139,7 @@ TEST_CASE(
   delta.version = 1;
   delta.base = 0;
   for (std::int64_t k = 0; k < recv.size(); ++k) {
-    std::vector<std::uint16_t> bits(static_cast<std::size_t>(recv[k].numel));
+    std::vector<std::uint16_t> bits(static_cast<std::size_t>(recv.live_end(0, k)));
     for (std::size_t i = 0; i < bits.size(); ++i) {
       bits[i] = static_cast<std::uint16_t>(0x3C00 + (i * 7 + static_cast<std::size_t>(k)) % 512);
       if (i % 100 == 3) {
@@ -155,7 +155,7 @@ TEST_CASE(
 
   const std::int64_t before = g_current.load();
   g_peak.store(before);
-  Receiver r(hf, recv, 0, views);
+  Receiver r(hf, recv, 0, 1, views);
   const ApplyResult a = r.apply(0, full_in);
   const ApplyResult b = r.apply(1, delta_in);
   const std::int64_t extra = g_peak.load() - before;
@@ -164,8 +164,8 @@ TEST_CASE(
       "heap of construction and both applies %lld bytes\n",
       static_cast<long long>(model_bytes), full_in[0].second.size(), delta_in[0].second.size(),
       static_cast<long long>(extra));
-  REQUIRE(a.committed);
-  REQUIRE(b.committed);
+  REQUIRE(a.committed());
+  REQUIRE(b.committed());
   // Nothing model-sized: the view table, the digest table and a flag per canonical tensor.
   CHECK(extra < 64 * 1024);
   CHECK(extra < model_bytes / 100);

@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 
 #include <array>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -305,6 +306,30 @@ TEST_CASE("dte plan: topologies and configs that cannot work are refused (exit 2
   llama.replace(llama.find("Qwen3MoeForCausalLM"), 19, "LlamaForCausalLM");
   refused("--model " + write_text("llama.json", llama) + " --train tp=1",
           "unknown architecture 'LlamaForCausalLM'");
+}
+
+TEST_CASE("dte plan: counts that overflow never print coverage exact; reproducers end fast") {
+  auto refused = [](const std::string& args, const std::string& text) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const Run r = run_dte("plan " + args);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    CHECK(r.status == 2);
+    CHECK_MESSAGE(r.output.find(text) != std::string::npos, r.output);
+    CHECK(r.output.find("coverage exact") == std::string::npos);
+    CHECK_MESSAGE(s < 1.0, s);  // a hang guard: these used to crash or spin
+  };
+  refused("--model small-qwen3 --train tp=1 --infer tp=1,replicas=18446744073709551617",
+          "replicas=18446744073709551617 is out of range");
+  refused("--model small-qwen3 --train tp=1,dp=1048576,pp=4096", "pp=4096 is out of range");
+  std::string head = kTinyMoeConfig;
+  head.replace(head.find("\"head_dim\": 16"), 14, "\"head_dim\": 4611686018427387904");
+  refused("--model " + write_text("head.json", head) + " --train tp=1",
+          "field 'head_dim' is 4611686018427387904");
+  std::string wide = kTinyMoeConfig;
+  wide.replace(wide.find("\"hidden_size\": 32"), 17, "\"hidden_size\": 9223372036854775807");
+  wide.replace(wide.find("\"vocab_size\": 300"), 17, "\"vocab_size\": 9223372036854775807");
+  refused("--model " + write_text("wide.json", wide) + " --train tp=1",
+          "field 'hidden_size' is 9223372036854775807");
 }
 
 TEST_CASE("dte plan: a dumped buffer layout is read back, checked and used") {

@@ -25,6 +25,7 @@
 #include "dte/optim/adam.hpp"
 #include "dte/pipeline/detect.hpp"
 #include "dte/sim/controlled_shard.hpp"
+#include "dte/sim/full_message.hpp"
 
 namespace dte::tool {
 
@@ -127,7 +128,7 @@ StageFigures measure(const BenchOptions& o, const HostExecutor& exec, const layo
   const auto t0 = Clock::now();
   exec.for_each(receivers.size(), [&](std::size_t d, int) {
     const ApplyResult a = receivers[d].apply(version, inbox[d]);
-    if (!a.committed) throw error("dte bench: receiver refused the publication: " + a.refusal);
+    if (!a.committed()) throw error("dte bench: receiver refused the publication: " + a.refusal);
   });
   f.apply_s = std::chrono::duration<double>(Clock::now() - t0).count();
   f.changed_fraction =
@@ -166,24 +167,16 @@ int run_pipeline(const BenchOptions& o) {
                                                         std::uint16_t{0});
       views.emplace_back(storage[static_cast<std::size_t>(d)].back());
     }
-    receivers.emplace_back(hf, recv, d, std::move(views));
+    // Each receiver takes this one trainer rank's messages as a whole publication.
+    receivers.emplace_back(hf, recv, d, 1, std::move(views));
   }
   Version version = 0;
-  {
-    const sim::ControlledShard first(plan.shard_size(layout::BufferKind::dense),
-                                     plan.shard_size(layout::BufferKind::expert), 0.0, 1);
-    (void)sender.scan(first, pipeline::ScanMode::all);
-    const std::vector<Payload> full = sender.finish(MessageKind::full, 0, no_version);
-    for (std::size_t d = 0; d < receivers.size(); ++d) {
-      Bytes bytes;
-      for (const auto& part : full[d])
-        bytes.insert(bytes.end(), part.begin(), part.end());
-      // (a full publication from one of the trainer ranks: the receivers only need a version)
-      if (!receivers[d].apply(0, {{0, std::move(bytes)}}).committed) {
-        throw error("dte bench: a receiver refused the initial full publication");
-      }
-    }
-    sender.release();
+  for (std::size_t d = 0; d < receivers.size(); ++d) {
+    // Version 0 without a trainer: every live element written (zeros).
+    const std::int64_t ts = static_cast<std::int64_t>(d) % infer.tp;
+    const ApplyResult a =
+        receivers[d].apply(0, {{0, wire::encode(sim::full_message(recv, ts, 0, 0))}});
+    if (!a.committed()) throw error("dte bench: a receiver refused version 0: " + a.refusal);
   }
 
   // The memory read, measured before, between and after the stages (the machine is shared):

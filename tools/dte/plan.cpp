@@ -108,14 +108,7 @@ void register_plan(CLI::App& app, int& status) {
     }
     std::vector<RankBuffers> dumped;
     if (!o->layout_in.empty()) {
-      std::ifstream in(o->layout_in);
-      nlohmann::json j;
-      try {
-        j = nlohmann::json::parse(in);
-      } catch (const nlohmann::json::exception& e) {
-        throw format_error(o->layout_in + ": not valid JSON (" + e.what() + ")");
-      }
-      dumped = io::read_buffer_layout(j, hf, train, o->layout_in);
+      dumped = io::read_buffer_layout_file(o->layout_in, hf, train);
     }
 
     std::vector<TransferPlan> plans;

@@ -76,7 +76,8 @@ class DeltaEngine
     if (transport.is_sender()) {
       sender_.emplace(hf, train, receivers, transport.rank(), config.publish_every > 1, exec);
     } else {
-      receiver_.emplace(hf, receivers, transport.rank() - transport.senders(), std::move(tensors));
+      receiver_.emplace(hf, receivers, transport.rank() - transport.senders(), transport.senders(),
+                        std::move(tensors));
     }
     for (std::int64_t r = 0; r < receivers.topology().ranks(); ++r) {
       dense_bytes_ +=
@@ -275,8 +276,10 @@ class DeltaEngine
     const auto tensors = static_cast<std::size_t>(hf_->size());
     const auto receivers = static_cast<std::size_t>(transport_->receivers());
     const auto replicas = static_cast<std::size_t>(it.replicas);
+    bool repair_refused = false;  // this receiver refused its repair messages
+    std::vector<bool> refused_repair(receivers, false);
     auto gather = [&](std::vector<bool>& bad, std::vector<bool>& resync) {
-      std::vector<std::uint64_t> v(replicas * tensors + receivers, 0);
+      std::vector<std::uint64_t> v(replicas * tensors + 2 * receivers, 0);
       if (receiver_) {
         const std::int64_t r = receiver_->rank();
         const auto replica = static_cast<std::size_t>(r / it.tp);
@@ -284,12 +287,15 @@ class DeltaEngine
           v[replica * tensors + t] = receiver_->digest()[t];
         v[replicas * tensors + static_cast<std::size_t>(r)] =
             receiver_->version() == version_ ? 0 : 1;
+        v[replicas * tensors + receivers + static_cast<std::size_t>(r)] = repair_refused ? 1 : 0;
       }
       transport_->sum(v, "the digest verification");
       bad = detail::mismatched_tensors(*hf_, *recv_layout_, trainer_digest_, v.data());
       resync.assign(receivers, false);
-      for (std::size_t d = 0; d < receivers; ++d)
+      for (std::size_t d = 0; d < receivers; ++d) {
         resync[d] = v[replicas * tensors + d] != 0;
+        refused_repair[d] = v[replicas * tensors + receivers + d] != 0;
+      }
     };
     std::vector<bool> bad, resync;
     gather(bad, resync);
@@ -306,8 +312,15 @@ class DeltaEngine
       if (sender_) out = sender_->repair(access, bad, resync, version_);
       Inbox inbox = transport_->exchange(out);
       if (sender_) sender_->release();
-      if (receiver_ && !inbox.empty()) receiver_->apply(version_, inbox);
+      // The repair's own result is checked: a refused repair leaves the receiver as it was,
+      // and the check below then fails for it; the report names it.
+      if (receiver_ && !inbox.empty()) {
+        repair_refused = receiver_->apply(version_, inbox).outcome == ApplyOutcome::refused;
+      }
       gather(bad, resync);
+      for (std::size_t d = 0; d < refused_repair.size(); ++d) {
+        if (refused_repair[d]) rep.repair_refused.push_back(static_cast<std::int64_t>(d));
+      }
     }
     rep.verified = std::find(bad.begin(), bad.end(), true) == bad.end() &&
                    std::find(resync.begin(), resync.end(), true) == resync.end();

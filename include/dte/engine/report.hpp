@@ -27,7 +27,8 @@ struct SyncReport {
   bool verified = false;                // every replica matched (after repair, if any)
   std::vector<std::string> repaired;    // canonical tensors resent densely
   std::vector<std::int64_t> resynced;   // receivers that refused and got a full resync
-  std::uint64_t stale_messages = 0;     // replays of older versions, ignored by the receivers
+  std::vector<std::int64_t> repair_refused;  // receivers that refused their repair (unverified)
+  std::uint64_t stale_messages = 0;          // replays of older versions, ignored by the receivers
   // Memory beyond the model (bytes), for the rank with the largest ratio to its payload: the
   // sender's messages and pipeline buffers (+ its dirty masks when K > 1), the receiver's
   // received messages.

@@ -45,7 +45,7 @@ namespace dte {
 class cuda_error : public error {
  public:
   explicit cuda_error(cudaError_t code, const std::string& message,
-                      std::source_location where = std::source_location::current())
+                      source_location where = source_location::current())
       : error(message, where), code_(code) {}
 
   [[nodiscard]] cudaError_t code() const noexcept { return code_; }
@@ -57,7 +57,7 @@ class cuda_error : public error {
 namespace detail {
 
 [[noreturn]] inline void throw_cuda_error(cudaError_t status, const char* expression,
-                                          std::source_location where) {
+                                          source_location where) {
   // A non-sticky error stays recorded until read; read it here so that the next check does not
   // report this failure a second time. A sticky one (the context is lost) cannot be cleared.
   (void)cudaGetLastError();
@@ -83,7 +83,7 @@ namespace detail {
     const ::cudaError_t dte_cuda_try_status_ = (expr);                    \
     if (dte_cuda_try_status_ != ::cudaSuccess) {                          \
       ::dte::detail::throw_cuda_error(dte_cuda_try_status_, #expr,        \
-                                      ::std::source_location::current()); \
+                                      ::dte::source_location::current()); \
     }                                                                     \
   } while (false)
 

@@ -18,13 +18,16 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <filesystem>
 #include <map>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "dte/bounds.hpp"
 #include "dte/error.hpp"
+#include "dte/io/json.hpp"
 #include "dte/layout/plan.hpp"
 
 namespace dte::io {
@@ -59,27 +62,34 @@ inline nlohmann::json write_buffer_layout(const layout::HfModel& hf,
 // Reads and checks a dumped layout against the model and topology: every parameter of every
 // rank exactly once, in the right buffer, with its shape, without overlaps, inside the buffer;
 // owned ranges inside the buffer and disjoint. (That DP ranks' slices tile each buffer is then
-// shown by layout::check_coverage.) Returns one RankBuffers per trainer rank.
+// shown by layout::check_coverage.) Every number is an integer within dte/bounds.hpp's limits;
+// every refusal names the file and the field's path. Returns one RankBuffers per trainer rank.
 inline std::vector<layout::RankBuffers> read_buffer_layout(const nlohmann::json& j,
                                                            const layout::HfModel& hf,
                                                            const layout::TrainTopology& t,
                                                            const std::string& source) {
-  auto fail = [&](const std::string& what) { throw invalid_argument(source + ": " + what); };
-  if (!j.is_object() || j.value("format", std::string()) != buffer_layout_format) {
-    fail(std::string("not a buffer layout: expected \"format\": \"") + buffer_layout_format + "\"");
+  const JsonReader r(source);
+  auto fail = [&](const std::string& what) {
+    throw invalid_argument(source + ": " + what, about(source));
+  };
+  if (!j.is_object() || !j.contains("format") || !j.at("format").is_string() ||
+      j.at("format").get<std::string>() != buffer_layout_format) {
+    throw format_error(
+        source + ": not a buffer layout: expected \"format\": \"" + buffer_layout_format + "\"",
+        about(source, "format"));
   }
-  const auto& ranks = j.at("ranks");
-  if (!ranks.is_array() || static_cast<std::int64_t>(ranks.size()) != t.world()) {
-    fail("has " + std::to_string(ranks.is_array() ? ranks.size() : 0) +
-         " ranks but the trainer topology has " + std::to_string(t.world()));
+  const auto& ranks = r.array(j, "ranks", "", static_cast<std::size_t>(limits::world));
+  if (static_cast<std::int64_t>(ranks.size()) != t.world()) {
+    fail("has " + std::to_string(ranks.size()) + " ranks but the trainer topology has " +
+         std::to_string(t.world()));
   }
   std::vector<layout::RankBuffers> out(static_cast<std::size_t>(t.world()));
   std::vector<bool> seen(out.size(), false);
-  for (const auto& entry : ranks) {
-    const std::int64_t g = entry.at("rank").get<std::int64_t>();
-    if (g < 0 || g >= t.world() || seen[static_cast<std::size_t>(g)]) {
-      fail("rank " + std::to_string(g) + " is out of range or listed twice");
-    }
+  for (std::size_t e = 0; e < ranks.size(); ++e) {
+    const nlohmann::json& entry = ranks[e];
+    const std::string at = "ranks[" + std::to_string(e) + "]";
+    const std::int64_t g = r.integer(entry, "rank", at, 0, t.world() - 1);
+    if (seen[static_cast<std::size_t>(g)]) fail("rank " + std::to_string(g) + " is listed twice");
     seen[static_cast<std::size_t>(g)] = true;
     const std::string where = "rank " + std::to_string(g);
     const auto params = layout::megatron_params(hf.spec(), t, layout::train_rank(t, g));
@@ -89,37 +99,49 @@ inline std::vector<layout::RankBuffers> read_buffer_layout(const nlohmann::json&
     }
     std::vector<bool> placed(params.size(), false);
     layout::RankBuffers& rb = out[static_cast<std::size_t>(g)];
+    const nlohmann::json& buffers = r.object(entry, "buffers", at);
     for (int k = 0; k < 2; ++k) {
       const char* kind = k == 0 ? "dense" : "expert";
-      const auto& buffers = entry.at("buffers");
       if (!buffers.contains(kind)) continue;
-      const auto& b = buffers.at(kind);
-      const std::int64_t size = b.at("size").get<std::int64_t>();
+      const std::string bat = at + ".buffers." + kind;
+      const nlohmann::json& b = r.object(buffers, kind, at + ".buffers");
+      const std::int64_t size = r.integer(b, "size", bat, 0, limits::buffer_elements);
       layout::BufferLayout& bl = rb.layout[k];
-      for (const auto& p : b.at("params")) {
-        std::string name = p.at("name").get<std::string>();
+      const nlohmann::json& ps = r.array(b, "params", bat, params.size());
+      for (std::size_t pi = 0; pi < ps.size(); ++pi) {
+        const nlohmann::json& p = ps[pi];
+        const std::string pat = bat + ".params[" + std::to_string(pi) + "]";
+        std::string name = r.string(p, "name", pat);
         while (name.rfind("module.", 0) == 0)
           name.erase(0, 7);
         const auto it = by_name.find(name);
         if (it == by_name.end()) {
-          fail(where + ": parameter '" + name + "' is not one dte expects on this rank (" +
-               std::to_string(params.size()) + " expected; check --model and --train)");
+          fail(where + ": parameter " + detail::quote_name(name) +
+               " is not one dte expects on this rank (" + std::to_string(params.size()) +
+               " expected; check --model and --train)");
         }
         const layout::MegatronParam& mp = params[static_cast<std::size_t>(it->second)];
         if (mp.is_expert() != (k == 1)) {
           fail(where + ": parameter '" + name + "' is in the " + kind + " buffer but is " +
                (mp.is_expert() ? "an expert" : "a dense") + " parameter");
         }
-        if (p.at("shape").get<std::vector<std::int64_t>>() != mp.shape()) {
-          fail(where + ": parameter '" + name + "' has shape " + p.at("shape").dump() +
+        const nlohmann::json& shape = r.array(p, "shape", pat, 8);
+        std::vector<std::int64_t> dims;
+        for (std::size_t d = 0; d < shape.size(); ++d) {
+          dims.push_back(r.integer(shape[d], pat + ".shape[" + std::to_string(d) + "]", 0,
+                                   limits::tensor_elements));
+        }
+        if (dims != mp.shape()) {
+          fail(where + ": parameter '" + name + "' has shape " + detail::shown(shape) +
                " but the model says " + nlohmann::json(mp.shape()).dump());
         }
         if (placed[static_cast<std::size_t>(it->second)]) {
           fail(where + ": parameter '" + name + "' is listed twice");
         }
         placed[static_cast<std::size_t>(it->second)] = true;
-        const std::int64_t start = p.at("start").get<std::int64_t>();
-        if (start < 0 || start + mp.numel() > size) {
+        // start + numel <= size, written so that it cannot overflow: size - numel first.
+        const std::int64_t start = r.integer(p, "start", pat, 0, limits::buffer_elements);
+        if (mp.numel() > size || start > size - mp.numel()) {
           fail(where + ": parameter '" + name + "' [" + std::to_string(start) + ", " +
                std::to_string(start + mp.numel()) + ") lies outside the " + kind + " buffer of " +
                std::to_string(size) + " elements");
@@ -139,13 +161,19 @@ inline std::vector<layout::RankBuffers> read_buffer_layout(const nlohmann::json&
       }
       bl.buckets = {{0, size}};
       std::vector<layout::Bucket> owned;
-      for (const auto& range : b.at("owned")) {
-        const auto v = range.get<std::vector<std::int64_t>>();
-        if (v.size() != 2 || v[0] < 0 || v[0] > v[1] || v[1] > size) {
-          fail(where + ": owned range " + range.dump() + " is not [begin, end] inside the " + kind +
-               " buffer of " + std::to_string(size) + " elements");
+      const nlohmann::json& ranges =
+          r.array(b, "owned", bat, static_cast<std::size_t>(std::max<std::int64_t>(size, 1)));
+      for (std::size_t oi = 0; oi < ranges.size(); ++oi) {
+        const std::string oat = bat + ".owned[" + std::to_string(oi) + "]";
+        r.check_array(ranges[oi], oat, 2);
+        if (ranges[oi].size() != 2) {
+          fail(where + ": owned range " + detail::shown(ranges[oi]) +
+               " is not [begin, end] inside the " + kind + " buffer of " + std::to_string(size) +
+               " elements");
         }
-        owned.push_back({v[0], v[1]});
+        const std::int64_t begin = r.integer(ranges[oi][0], oat + "[0]", 0, size);
+        const std::int64_t end = r.integer(ranges[oi][1], oat + "[1]", begin, size);
+        owned.push_back({begin, end});
       }
       std::vector<layout::Bucket> check = owned;
       std::sort(check.begin(), check.end(),
@@ -161,6 +189,14 @@ inline std::vector<layout::RankBuffers> read_buffer_layout(const nlohmann::json&
     }
   }
   return out;
+}
+
+// A buffer layout file: 1 GiB holds the layout of any world dte plans.
+inline std::vector<layout::RankBuffers> read_buffer_layout_file(const std::filesystem::path& path,
+                                                                const layout::HfModel& hf,
+                                                                const layout::TrainTopology& t) {
+  return read_buffer_layout(read_json_file(path, "buffer layout", 16, std::uintmax_t{1} << 30), hf,
+                            t, path.string());
 }
 
 }  // namespace dte::io

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <charconv>
+#include <cmath>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -90,12 +91,22 @@ class MetadataReader {
     return x;
   }
 
-  [[nodiscard]] std::int64_t integer(std::string_view key) const {
-    const double x = number(key);
-    const auto i = static_cast<std::int64_t>(x);
-    if (static_cast<double>(i) != x) {
+  // An integer written as digits ("7", not "7.0" or "1e300"), in [lo, hi].
+  [[nodiscard]] std::int64_t integer(std::string_view key, std::int64_t lo, std::int64_t hi) const {
+    const std::string& s = text(key);
+    std::int64_t i = 0;
+    const char* end = s.data() + s.size();
+    const auto [ptr, ec] = std::from_chars(s.data(), end, i);
+    if (ptr != end || s.empty() || (ec != std::errc{} && ec != std::errc::result_out_of_range)) {
       throw format_error(std::string(source_) + ": metadata key '" + std::string(key) + "' is '" +
-                         text(key) + "', not an integer");
+                             s + "', not an integer",
+                         about(std::string(source_), std::string(key)));
+    }
+    if (ec == std::errc::result_out_of_range || i < lo || i > hi) {
+      throw bounds_error(std::string(source_) + ": metadata key '" + std::string(key) + "' is '" +
+                             s + "'; it must be an integer in [" + std::to_string(lo) + ", " +
+                             std::to_string(hi) + "]",
+                         about(std::string(source_), std::string(key)));
     }
     return i;
   }
@@ -159,7 +170,7 @@ inline OptimizerStep parse_optimizer_step(const std::map<std::string, std::strin
     s.adam.beta1 = md.number("beta1", 0.9);
     s.adam.beta2 = md.number("beta2", 0.999);
     s.adam.eps = md.number("eps", 1e-8);
-    s.adam.step = md.integer("step");
+    s.adam.step = md.integer("step", 1, limits::max_step);
     s.adam.bias_correction = md.flag("bias_correction", true);
     s.adam.amsgrad = md.flag("amsgrad", false);
     s.adam.maximize = md.flag("maximize", false);
@@ -212,6 +223,15 @@ AuditCounts audit_inverse_file(const SafetensorsFile& file, OptimizerStep* parse
   for (std::string_view n : names)
     require_same_shape(file, "theta", n);
   const std::vector<float> theta_prev = file.read_as<float>("theta_prev");
+  // The truth the audit compares with: a non-finite value there is a broken dump, not a miss.
+  for (std::size_t i = 0; i < theta_prev.size(); ++i) {
+    if (!std::isfinite(theta_prev[i])) {
+      throw numeric_error(file.source() + ": theta_prev[" + std::to_string(i) + "] is " +
+                              dte::detail::format_value(theta_prev[i]) +
+                              "; the weights before the step must be finite: dump them again",
+                          about(file.source(), "theta_prev"));
+    }
+  }
   const std::vector<float> theta = file.read_as<float>("theta");
   const std::vector<float> a = file.read_as<float>(sgd ? "momentum_buffer" : "exp_avg");
   const std::vector<float> b = sgd ? std::vector<float>{} : file.read_as<float>("exp_avg_sq");

@@ -30,6 +30,7 @@ inline void to_json(nlohmann::ordered_json& j, const SyncReport& r) {
       {"digest", digest},
       {"verified", r.verified},
       {"resynced_receivers", r.resynced.size()},
+      {"repair_refused_receivers", r.repair_refused.size()},
       {"stale_messages", r.stale_messages},
       {"seconds",
        {{"detect", r.detect_s},

@@ -55,6 +55,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dte/error.hpp"
+#include "dte/io/json.hpp"
 
 namespace dte::io {
 
@@ -222,19 +223,6 @@ inline std::string hex_byte(unsigned char c) {
 }
 
 // A string for error messages: quoted, and cut short if long.
-inline std::string quote_name(std::string_view s) {
-  constexpr std::size_t max = 200;
-  std::string out = "'";
-  if (s.size() > max) {
-    out.append(s.substr(0, max));
-    out += "...";
-  } else {
-    out.append(s);
-  }
-  out += "'";
-  return out;
-}
-
 inline std::string errno_text(int err) {
   return std::strerror(err);
 }
@@ -258,49 +246,6 @@ class FdGuard {
  private:
   int fd_;
 };
-
-// Parses the header JSON, refusing duplicate keys at any level and nesting deeper than a
-// safetensors header ever needs. Throws format_error.
-inline nlohmann::json parse_header_json(std::string_view text, const std::string& where) {
-  constexpr int max_depth = 16;
-  std::vector<std::set<std::string, std::less<>>> open_objects;
-  auto callback = [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
-    using Event = nlohmann::json::parse_event_t;
-    switch (event) {
-      case Event::object_start:
-      case Event::array_start:
-        if (depth >= max_depth) {
-          throw format_error(where + ": header JSON is nested more than " +
-                             std::to_string(max_depth) +
-                             " levels deep; a safetensors header needs 3");
-        }
-        if (event == Event::object_start) open_objects.emplace_back();
-        break;
-      case Event::object_end:
-        if (!open_objects.empty()) open_objects.pop_back();
-        break;
-      case Event::key: {
-        const auto& key = parsed.get_ref<const std::string&>();
-        if (!open_objects.empty() && !open_objects.back().insert(key).second) {
-          throw format_error(
-              where + ": duplicate key " + quote_name(key) +
-              (open_objects.size() == 1 ? " in the header" : " inside a header object") +
-              "; each tensor and metadata key must appear once (readers would "
-              "disagree on which value wins)");
-        }
-        break;
-      }
-      default:
-        break;
-    }
-    return true;
-  };
-  try {
-    return nlohmann::json::parse(text.begin(), text.end(), callback);
-  } catch (const nlohmann::json::exception& e) {
-    throw format_error(where + ": header is not valid JSON (" + e.what() + ")");
-  }
-}
 
 inline std::uint64_t get_index(const nlohmann::json& v, const std::string& where,
                                const std::string& what) {
@@ -473,7 +418,7 @@ class SafetensorsFile {
           detail::hex_byte(static_cast<unsigned char>(header[last])) + " at header offset " +
           std::to_string(last) + " (NUL or other padding is not allowed; incomplete JSON?)");
     }
-    const nlohmann::json json = detail::parse_header_json(header.substr(0, last + 1), source_);
+    const nlohmann::json json = parse_strict(header.substr(0, last + 1), source_, "header", 16);
     if (!json.is_object()) fail("header is not a JSON object");
 
     for (const auto& [key, value] : json.items()) {

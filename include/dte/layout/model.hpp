@@ -8,6 +8,7 @@
 #include <string_view>
 #include <vector>
 
+#include "dte/bounds.hpp"
 #include "dte/error.hpp"
 
 namespace dte::layout {
@@ -32,31 +33,83 @@ struct ModelSpec {
   [[nodiscard]] std::int64_t kv_rows() const noexcept { return kv_heads * head_dim; }
   [[nodiscard]] std::int64_t heads_per_group() const noexcept { return heads / kv_heads; }
 
-  // Refuses a spec the maps cannot handle, naming the field and its value.
+  // Refuses a spec the maps cannot handle, naming the field, its value and the allowed range
+  // (dte/bounds.hpp): every field bounded, every size derived from them checked.
   void validate() const {
     auto fail = [&](const std::string& what) {
-      throw invalid_argument("model '" + name + "': " + what);
+      throw invalid_argument("model '" + name + "': " + what, about(name));
     };
     if (architecture != "Qwen3ForCausalLM" && architecture != "Qwen3MoeForCausalLM") {
       fail("unknown architecture '" + architecture +
            "'; dte maps Qwen3ForCausalLM and Qwen3MoeForCausalLM");
     }
-    const std::pair<const char*, std::int64_t> positive[] = {
-        {"hidden_size", hidden},        {"num_hidden_layers", layers},
-        {"num_attention_heads", heads}, {"num_key_value_heads", kv_heads},
-        {"head_dim", head_dim},         {"vocab_size", vocab}};
-    for (const auto& [field, value] : positive) {
-      if (value <= 0) fail(std::string(field) + " must be > 0 (got " + std::to_string(value) + ")");
-    }
+    const bool moe_arch = architecture == "Qwen3MoeForCausalLM";
+    const std::string src = "model '" + name + "'";
+    require_range(src, "hidden_size", hidden, 1, limits::hidden);
+    require_range(src, "num_hidden_layers", layers, 1, limits::layers);
+    require_range(src, "num_attention_heads", heads, 1, limits::heads);
+    require_range(src, "num_key_value_heads", kv_heads, 1, heads,
+                  "a KV head serves one or more query heads");
+    require_range(src, "head_dim", head_dim, 1, limits::head_dim);
+    require_range(src, "vocab_size", vocab, 1, limits::vocab);
     if (heads % kv_heads != 0) {
       fail("num_attention_heads (" + std::to_string(heads) +
            ") must be a multiple of num_key_value_heads (" + std::to_string(kv_heads) + ")");
     }
-    if (architecture == "Qwen3MoeForCausalLM") {
-      if (experts <= 0) fail("num_experts must be > 0 for Qwen3MoeForCausalLM");
-      if (moe_intermediate <= 0) fail("moe_intermediate_size must be > 0 for Qwen3MoeForCausalLM");
-    } else if (intermediate <= 0) {
-      fail("intermediate_size must be > 0 (got " + std::to_string(intermediate) + ")");
+    if (moe_arch) {
+      require_range(src, "num_experts", experts, 1, limits::experts);
+      require_range(src, "moe_intermediate_size", moe_intermediate, 1, limits::intermediate);
+      require_range(src, "num_experts_per_tok", experts_per_token, 1, experts,
+                    "a token is routed to at least one and at most num_experts experts");
+      require_range(src, "intermediate_size", intermediate, 0, limits::intermediate);
+    } else {
+      require_range(src, "intermediate_size", intermediate, 1, limits::intermediate);
+      require_range(src, "num_experts", experts, 0, 0, "a dense model has no experts");
+    }
+    // Every tensor must be addressable by 32-bit indices, the whole model by canonical indices
+    // below limits::model_elements, and the tensor count must stay plannable. The fields are
+    // bounded above, so these products cannot overflow; they are checked anyway.
+    const std::int64_t ffn = moe_arch ? moe_intermediate : intermediate;
+    const std::pair<const char*, std::int64_t> matrices[] = {
+        {"embed_tokens (vocab_size * hidden_size)",
+         checked_mul(vocab, hidden, "vocab_size * hidden_size")},
+        {"q_proj (num_attention_heads * head_dim * hidden_size)",
+         checked_mul(checked_mul(heads, head_dim, "q rows"), hidden, "q_proj elements")},
+        {"mlp (intermediate * hidden_size)", checked_mul(ffn, hidden, "mlp elements")},
+        {"router (num_experts * hidden_size)", checked_mul(experts, hidden, "router elements")}};
+    for (const auto& [what, n] : matrices) {
+      if (n > limits::tensor_elements) {
+        fail(std::string(what) + " has " + std::to_string(n) +
+             " elements; dte addresses at most 2^32 - 1 elements per tensor");
+      }
+    }
+    const std::int64_t attn =
+        2 * hidden + 2 * head_dim +
+        checked_mul(checked_mul(heads + 2 * kv_heads, head_dim, "qkv rows"), hidden, "qkv") +
+        checked_mul(checked_mul(heads, head_dim, "o cols"), hidden, "o_proj");
+    const std::int64_t mlp =
+        moe_arch ? checked_add(checked_mul(experts, hidden, "router"),
+                               checked_mul(checked_mul(experts, 3, "expert matrices"),
+                                           checked_mul(ffn, hidden, "expert"), "experts"),
+                               "moe layer")
+                 : checked_mul(3, checked_mul(ffn, hidden, "mlp"), "mlp layer");
+    const std::int64_t layer = checked_add(attn, mlp, "layer elements");
+    const std::int64_t total =
+        checked_add(checked_mul(layer, layers, "layer elements * num_hidden_layers"),
+                    checked_add(checked_mul(2 * vocab, hidden, "embeddings"), hidden, "embeddings"),
+                    "model elements");
+    if (total > limits::model_elements) {
+      fail("the model has " + std::to_string(total) + " parameters; dte's limit is 2^44 (" +
+           std::to_string(limits::model_elements) + ")");
+    }
+    const std::int64_t per_layer_tensors = moe_arch ? 9 + 3 * experts : 11;
+    const std::int64_t tensors =
+        checked_add(checked_mul(per_layer_tensors, layers, "tensors"), 3, "tensors");
+    if (tensors > limits::model_tensors) {
+      fail("the model has " + std::to_string(tensors) + " tensors (num_hidden_layers " +
+           std::to_string(layers) + (moe_arch ? " x (9 + 3 x num_experts " : " x (11") +
+           (moe_arch ? std::to_string(experts) : std::string()) + ")); dte's limit is " +
+           std::to_string(limits::model_tensors));
     }
     if (tie_word_embeddings) {
       fail("tie_word_embeddings=true is not supported yet: lm_head would alias embed_tokens");

@@ -132,8 +132,7 @@ class TransferPlan {
  private:
   TransferPlan(const HfModel& hf, const TrainTopology& t, const SglangLayout& receivers,
                std::int64_t global_rank, const RankBuffers* dumped)
-      : hf_(&hf),
-        receivers_(&receivers),
+      : receivers_(&receivers),
         map_(hf, t, train_rank(t, global_rank)),
         params_(megatron_params(hf.spec(), t, map_.rank())) {
     const RankBuffers buffers =
@@ -161,7 +160,6 @@ class TransferPlan {
     }
   }
 
-  const HfModel* hf_;
   const SglangLayout* receivers_;
   MegatronToHF map_;
   std::vector<MegatronParam> params_;

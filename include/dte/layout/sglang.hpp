@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "dte/bounds.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/model.hpp"
 #include "dte/layout/topology.hpp"
@@ -60,8 +61,15 @@ class SglangLayout {
     auto add = [&](ReceiverKind k, std::int64_t layer, std::vector<std::int64_t> shape) {
       std::int64_t n = 1;
       for (std::int64_t s : shape)
-        n *= s;
+        n = checked_mul(n, s, "receiver tensor elements");
       tensors_.push_back({k, static_cast<std::int32_t>(layer), std::move(shape), n});
+      if (n > limits::tensor_elements) {
+        throw bounds_error("--infer tp=" + std::to_string(t.tp) + ": receiver tensor " +
+                               name(size() - 1) + " has " + std::to_string(n) +
+                               " elements; dte addresses at most 2^32 - 1 per tensor (use a "
+                               "larger tp)",
+                           about("--infer", name(size() - 1)));
+      }
     };
     add(ReceiverKind::embed, -1, {vs_ / Ts, H});
     for (std::int64_t L = 0; L < m.layers; ++L) {
@@ -348,17 +356,20 @@ class SglangLayout {
     return {};
   }
 
+  // The elements of tensor `id` on TP rank ts that hold data: [0, live_end). Beyond it lies the
+  // zero-filled vocabulary tail (embed_tokens and lm_head only), which nothing may write.
+  [[nodiscard]] std::int64_t live_end(std::int64_t ts, std::int64_t id) const {
+    const ReceiverTensor& x = (*this)[id];
+    if (x.kind != ReceiverKind::embed && x.kind != ReceiverKind::lm_head) return x.numel;
+    const std::int64_t per = vs_ / t_.tp;
+    return std::clamp<std::int64_t>(hf_->spec().vocab - ts * per, 0, per) * hf_->spec().hidden;
+  }
+
   // Receiver elements per TP rank that hold data (the vocabulary tail excluded).
   [[nodiscard]] std::int64_t live_elements(std::int64_t ts) const {
-    const ModelSpec& m = hf_->spec();
     std::int64_t n = 0;
-    const std::int64_t per = vs_ / t_.tp;
-    const std::int64_t vocab_rows = std::clamp<std::int64_t>(m.vocab - ts * per, 0, per);
-    for (const ReceiverTensor& x : tensors_) {
-      n += (x.kind == ReceiverKind::embed || x.kind == ReceiverKind::lm_head)
-               ? vocab_rows * m.hidden
-               : x.numel;
-    }
+    for (std::int64_t id = 0; id < size(); ++id)
+      n += live_end(ts, id);
     return n;
   }
 

@@ -1,9 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 // Trainer (Megatron-Core) and receiver (SGLang/vLLM) topologies: parsing of the `--train` and
 // `--infer` syntax, derived sizes, and the divisibility rules that decide whether a topology can
-// hold a model at all. Every refusal names the field and the values.
+// hold a model at all. Every refusal names the field and the values; every value is bounded
+// (dte/bounds.hpp) and the world sizes are computed checked.
 #pragma once
 
+#include <algorithm>
 #include <charconv>
 #include <cstdint>
 #include <numeric>
@@ -11,6 +13,7 @@
 #include <string_view>
 #include <vector>
 
+#include "dte/bounds.hpp"
 #include "dte/error.hpp"
 #include "dte/layout/model.hpp"
 
@@ -62,13 +65,23 @@ struct InferTopology {
 
 namespace detail {
 
+// An integer in [1, hi] as written on the command line; the text is quoted back as given.
 inline std::int64_t parse_positive(std::string_view flag, std::string_view key,
-                                   std::string_view text) {
+                                   std::string_view text, std::int64_t hi) {
   std::int64_t v = 0;
   const auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-  if (ec != std::errc{} || ptr != text.data() + text.size() || v < 1) {
+  const bool integer = !text.empty() && ptr == text.data() + text.size() &&
+                       (ec == std::errc{} || ec == std::errc::result_out_of_range);
+  if (!integer) {
     throw invalid_argument(std::string(flag) + ": " + std::string(key) + "=" + std::string(text) +
-                           " is not a positive integer");
+                               " is not a positive integer",
+                           about(std::string(flag), std::string(key)));
+  }
+  if (ec == std::errc::result_out_of_range || v < 1 || v > hi) {
+    throw bounds_error(std::string(flag) + ": " + std::string(key) + "=" + std::string(text) +
+                           " is out of range; " + std::string(key) + " must be an integer in [1, " +
+                           std::to_string(hi) + "]",
+                       about(std::string(flag), std::string(key)));
   }
   return v;
 }
@@ -77,6 +90,7 @@ inline std::int64_t parse_positive(std::string_view flag, std::string_view key,
 template <class Set>
 void parse_pairs(std::string_view flag, std::string_view spec, Set&& set) {
   if (spec.empty()) throw invalid_argument(std::string(flag) + ": empty topology");
+  std::vector<std::string_view> seen;
   std::size_t pos = 0;
   while (pos <= spec.size()) {
     const std::size_t comma = std::min(spec.find(',', pos), spec.size());
@@ -86,7 +100,14 @@ void parse_pairs(std::string_view flag, std::string_view spec, Set&& set) {
       throw invalid_argument(std::string(flag) + ": '" + std::string(item) +
                              "' is not key=value (example: tp=4,pp=2,dp=2)");
     }
-    set(item.substr(0, eq), item.substr(eq + 1));
+    const std::string_view key = item.substr(0, eq);
+    if (std::find(seen.begin(), seen.end(), key) != seen.end()) {
+      throw invalid_argument(
+          std::string(flag) + ": " + std::string(key) + " is given twice; give each key once",
+          about(std::string(flag), std::string(key)));
+    }
+    seen.push_back(key);
+    set(key, item.substr(eq + 1));
     pos = comma + 1;
   }
 }
@@ -106,26 +127,32 @@ inline TrainTopology parse_train_topology(std::string_view spec) {
   TrainTopology t;
   detail::parse_pairs("--train", spec, [&](std::string_view key, std::string_view value) {
     if (key == "tp") {
-      t.tp = detail::parse_positive("--train", key, value);
+      t.tp = detail::parse_positive("--train", key, value, limits::tp);
     } else if (key == "pp") {
-      t.pp = detail::parse_positive("--train", key, value);
+      t.pp = detail::parse_positive("--train", key, value, limits::pp);
     } else if (key == "ep") {
-      t.ep = detail::parse_positive("--train", key, value);
+      t.ep = detail::parse_positive("--train", key, value, limits::ep);
     } else if (key == "etp") {
-      t.etp = detail::parse_positive("--train", key, value);
+      t.etp = detail::parse_positive("--train", key, value, limits::tp);
     } else if (key == "dp") {
-      t.dp = detail::parse_positive("--train", key, value);
+      t.dp = detail::parse_positive("--train", key, value, limits::dp);
     } else if (key == "bucket") {
-      t.bucket_size = detail::parse_positive("--train", key, value);
+      t.bucket_size = detail::parse_positive("--train", key, value, limits::buffer_elements);
     } else if (key == "vocab_div") {
-      t.vocab_divisible_by = detail::parse_positive("--train", key, value);
+      t.vocab_divisible_by =
+          detail::parse_positive("--train", key, value, limits::vocab_divisible_by);
     } else if (key == "split") {
       t.layer_split.clear();
       std::size_t pos = 0;
       while (pos <= value.size()) {
         const std::size_t colon = std::min(value.find(':', pos), value.size());
-        t.layer_split.push_back(
-            detail::parse_positive("--train", "split", value.substr(pos, colon - pos)));
+        t.layer_split.push_back(detail::parse_positive(
+            "--train", "split", value.substr(pos, colon - pos), limits::layers));
+        if (t.layer_split.size() > static_cast<std::size_t>(limits::pp)) {
+          throw bounds_error(
+              "--train: split lists more than " + std::to_string(limits::pp) + " stages",
+              about("--train", "split"));
+        }
         pos = colon + 1;
       }
     } else {
@@ -133,6 +160,9 @@ inline TrainTopology parse_train_topology(std::string_view spec) {
                              "'; keys: tp, pp, ep, etp, dp, split, bucket, vocab_div");
     }
   });
+  checked_mul(checked_mul(t.tp, t.dp, "--train: tp * dp", limits::world), t.pp,
+              "--train: the world (tp * dp) * pp", limits::world);
+  checked_mul(t.vocab_divisible_by, t.tp, "--train: vocab_div * tp", limits::vocab);
   return t;
 }
 
@@ -141,23 +171,41 @@ inline InferTopology parse_infer_topology(std::string_view spec) {
   InferTopology t;
   detail::parse_pairs("--infer", spec, [&](std::string_view key, std::string_view value) {
     if (key == "tp") {
-      t.tp = detail::parse_positive("--infer", key, value);
+      t.tp = detail::parse_positive("--infer", key, value, limits::tp);
     } else if (key == "ep") {
-      t.ep = detail::parse_positive("--infer", key, value);
+      t.ep = detail::parse_positive("--infer", key, value, limits::ep);
     } else if (key == "replicas" || key == "dp") {
-      t.replicas = detail::parse_positive("--infer", key, value);
+      t.replicas = detail::parse_positive("--infer", key, value, limits::replicas);
     } else {
       throw invalid_argument("--infer: unknown key '" + std::string(key) +
                              "'; keys: tp, ep, replicas");
     }
   });
+  checked_mul(t.tp, t.replicas, "--infer: the receiver ranks tp * replicas", limits::world);
   return t;
 }
 
-// Can this trainer topology hold this model? (Megatron-Core's own constraints.)
+// Can this trainer topology hold this model? (Megatron-Core's own constraints.) A topology built
+// in code rather than parsed gets the same bounds.
 inline void validate(const ModelSpec& m, const TrainTopology& t) {
   using detail::require_divides;
   const std::string_view side = "--train";
+  require_range(side, "tp", t.tp, 1, limits::tp);
+  require_range(side, "pp", t.pp, 1, limits::pp);
+  require_range(side, "ep", t.ep, 1, limits::ep);
+  require_range(side, "etp", t.etp, 1, limits::tp);
+  require_range(side, "dp", t.dp, 1, limits::dp);
+  require_range(side, "bucket", t.bucket_size, 0, limits::buffer_elements);
+  require_range(side, "vocab_div", t.vocab_divisible_by, 1, limits::vocab_divisible_by);
+  checked_mul(checked_mul(t.tp, t.dp, "--train: tp * dp", limits::world), t.pp,
+              "--train: the world (tp * dp) * pp", limits::world);
+  checked_mul(t.vocab_divisible_by, t.tp, "--train: vocab_div * tp", limits::vocab);
+  if (t.layer_split.size() > static_cast<std::size_t>(limits::pp)) {
+    throw bounds_error("--train: split lists " + std::to_string(t.layer_split.size()) +
+                       " stages; pp is at most " + std::to_string(limits::pp));
+  }
+  for (std::int64_t n : t.layer_split)
+    require_range(side, "split", n, 1, limits::layers);
   require_divides(side, "num_attention_heads", m.heads, "tp", t.tp);
   require_divides(side, "QKV rows (heads + 2*kv_heads)*head_dim",
                   (m.heads + 2 * m.kv_heads) * m.head_dim, "tp", t.tp);
@@ -195,6 +243,10 @@ inline void validate(const ModelSpec& m, const TrainTopology& t) {
 inline void validate(const ModelSpec& m, const InferTopology& t) {
   using detail::require_divides;
   const std::string_view side = "--infer";
+  require_range(side, "tp", t.tp, 1, limits::tp);
+  require_range(side, "ep", t.ep, 1, limits::ep);
+  require_range(side, "replicas", t.replicas, 1, limits::replicas);
+  checked_mul(t.tp, t.replicas, "--infer: the receiver ranks tp * replicas", limits::world);
   require_divides(side, "num_attention_heads", m.heads, "tp", t.tp);
   if (t.tp > m.kv_heads) {
     require_divides(side, "tp", t.tp, "num_key_value_heads", m.kv_heads);

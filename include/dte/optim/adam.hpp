@@ -180,16 +180,18 @@ inline AdamFamilyKernel make_adam_kernel(std::string_view policy, bool decoupled
     throw unsupported(who + ": maximize=True is not supported for " + where +
                       "; minimise the negated objective instead, or use SnapshotBase");
   }
-  if (h.step < 1) {
-    throw invalid_argument(who + ": step must be >= 1 for " + where + " (got " +
-                           std::to_string(h.step) +
-                           "); the optimizer has not stepped yet, so there is no previous value "
-                           "to reconstruct: publish after the first optimizer step");
+  if (h.step < 1 || h.step > limits::max_step) {
+    throw numeric_error(who + ": step must be in [1, 2^53] for " + where + " (got " +
+                        std::to_string(h.step) +
+                        "); the optimizer has not stepped yet, so there is no previous value "
+                        "to reconstruct: publish after the first optimizer step");
   }
-  require_non_negative_scalar(who, tensor, "lr", h.lr, "pass the learning rate the step used");
-  require_non_negative_scalar(who, tensor, "eps", h.eps,
+  require_non_negative_scalar(who, tensor, "lr", h.lr, limits::max_lr,
+                              "pass the learning rate the step used");
+  require_non_negative_scalar(who, tensor, "eps", h.eps, limits::max_eps,
                               "pass the optimizer's eps (1e-8 by default)");
-  require_non_negative_scalar(who, tensor, "weight_decay", h.weight_decay);
+  require_non_negative_scalar(who, tensor, "weight_decay", h.weight_decay,
+                              limits::max_weight_decay);
   require_zero_or_normal(who, tensor, "lr", h.lr);
   require_zero_or_normal(who, tensor, "eps", h.eps);
   for (const auto& [name, beta] : {std::pair{"beta1", h.beta1}, std::pair{"beta2", h.beta2}}) {

@@ -109,18 +109,19 @@ struct SgdMomentumInverse {
       throw unsupported(who + ": maximize=True is not supported for " + where +
                         "; minimise the negated objective instead, or use SnapshotBase");
     }
-    if (!(std::isfinite(h.momentum) && h.momentum > 0.0)) {
-      throw invalid_argument(who + ": momentum must be finite and > 0 for " + where + " (got " +
-                             detail::format_value(h.momentum) +
-                             "); plain SGD keeps no state to invert: use SnapshotBase for it");
+    if (!(std::isfinite(h.momentum) && h.momentum > 0.0 && h.momentum <= 1.0)) {
+      throw numeric_error(who + ": momentum must be in (0, 1] for " + where + " (got " +
+                          detail::format_value(h.momentum) +
+                          "); plain SGD keeps no state to invert: use SnapshotBase for it");
     }
     if (!(std::isfinite(h.dampening) && h.dampening >= 0.0 && h.dampening <= 1.0)) {
       throw invalid_argument(who + ": dampening must be in [0, 1] for " + where + " (got " +
                              detail::format_value(h.dampening) + ")");
     }
-    detail::require_non_negative_scalar(who, tensor, "lr", h.lr,
+    detail::require_non_negative_scalar(who, tensor, "lr", h.lr, limits::max_lr,
                                         "pass the learning rate the step used");
-    detail::require_non_negative_scalar(who, tensor, "weight_decay", h.weight_decay);
+    detail::require_non_negative_scalar(who, tensor, "weight_decay", h.weight_decay,
+                                        limits::max_weight_decay);
     detail::require_zero_or_normal(who, tensor, "lr", h.lr);
     detail::require_same_length(who, tensor, "theta", theta.size(), "momentum_buffer",
                                 s.momentum_buffer.size());

@@ -14,6 +14,18 @@
 #include "dte/config.hpp"
 #include "dte/error.hpp"
 
+namespace dte::limits {
+
+// Hyperparameter ranges (docs/limits.md): far beyond any real step (lr <= 1e-2, eps <= 1e-5,
+// weight_decay <= 1 in practice) and within the ranges the bound property test covers; a
+// value outside them (lr = 1e300 turns to Inf in FP32) makes every verdict meaningless.
+inline constexpr double max_lr = 10.0;
+inline constexpr double max_eps = 1.0;
+inline constexpr double max_weight_decay = 1e4;
+inline constexpr std::int64_t max_step = std::int64_t{1} << 53;  // exact in a double
+
+}  // namespace dte::limits
+
 namespace dte::detail {
 
 inline std::string tensor_label(std::string_view tensor) {
@@ -27,15 +39,17 @@ inline std::string format_value(double x) {
   return os.str();
 }
 
-// A hyperparameter that must be finite and >= 0 (lr, eps, weight_decay). `hint` says what to pass.
+// A hyperparameter that must lie in [0, max] (lr, eps, weight_decay): a numeric_error otherwise.
+// `hint` says what to pass.
 inline void require_non_negative_scalar(std::string_view policy, std::string_view tensor,
-                                        std::string_view name, double value,
+                                        std::string_view name, double value, double max,
                                         std::string_view hint = {}) {
-  if (std::isfinite(value) && value >= 0.0) return;
-  throw invalid_argument(std::string(policy) + ": " + std::string(name) +
-                         " must be finite and >= 0 for " + tensor_label(tensor) + " (got " +
-                         format_value(value) + ")" + (hint.empty() ? "" : "; ") +
-                         std::string(hint));
+  if (std::isfinite(value) && value >= 0.0 && value <= max) return;
+  throw numeric_error(std::string(policy) + ": " + std::string(name) + " must be in [0, " +
+                          format_value(max) + "] for " + tensor_label(tensor) + " (got " +
+                          format_value(value) + ")" + (hint.empty() ? "" : "; ") +
+                          std::string(hint),
+                      about(std::string(policy), std::string(name)));
 }
 
 // A scalar the FP32 kernels use as a factor (lr, eps): zero, or at least FP32's smallest normal
@@ -73,12 +87,13 @@ inline void require_finite(std::string_view policy, std::string_view tensor, std
   std::size_t first = 0;
   while (std::isfinite(values[first]))
     ++first;
-  throw invalid_argument(std::string(policy) + ": " + std::string(name) + " of " +
-                         tensor_label(tensor) + " has " + std::to_string(count) +
-                         " non-finite value(s) (NaN or Inf), the first at index " +
-                         std::to_string(first) + " (" + format_value(values[first]) +
-                         "); refusing to publish this step: fix the training step (loss scaling, "
-                         "gradient clipping) or skip this publication");
+  throw numeric_error(std::string(policy) + ": " + std::string(name) + " of " +
+                          tensor_label(tensor) + " has " + std::to_string(count) +
+                          " non-finite value(s) (NaN or Inf), the first at index " +
+                          std::to_string(first) + " (" + format_value(values[first]) +
+                          "); refusing to publish this step: fix the training step (loss scaling, "
+                          "gradient clipping) or skip this publication",
+                      about(std::string(policy), std::string(tensor)));
 }
 
 // Adam's second moment is an average of squares: a negative entry means corrupted state.

@@ -1,0 +1,99 @@
+// SPDX-License-Identifier: Apache-2.0
+// Writes the seed corpus of fuzz_receiver (valid publications, a repair, a no-op, a replay) and
+// of fuzz_optimizer_dump (small AdamW and SGD dumps). Run once; the files are in the repo:
+//   make_seeds <fuzz/corpus>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "dte/io/safetensors.hpp"
+#include "receiver_fixture.hpp"
+
+namespace {
+
+void put(std::vector<std::uint8_t>& out, const dte::Inbox& inbox, std::uint8_t step) {
+  out.push_back(step);
+  out.push_back(static_cast<std::uint8_t>(inbox.size()));
+  for (const auto& [src, bytes] : inbox) {
+    out.push_back(static_cast<std::uint8_t>(src));
+    out.push_back(static_cast<std::uint8_t>(bytes.size() & 0xFF));
+    out.push_back(static_cast<std::uint8_t>(bytes.size() >> 8));
+    for (std::byte b : bytes)
+      out.push_back(static_cast<std::uint8_t>(b));
+  }
+}
+
+void write(const std::filesystem::path& p, const std::vector<std::uint8_t>& b) {
+  std::ofstream(p, std::ios::binary)
+      .write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size()));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: make_seeds <corpus dir>\n");
+    return 2;
+  }
+  const std::filesystem::path root = argv[1];
+  std::filesystem::create_directories(root / "receiver");
+  std::filesystem::create_directories(root / "optimizer_dump");
+  using namespace dte;
+  for (std::uint8_t rank : {0, 1}) {
+    test::ReceiverFixture f(rank, 2);
+    // step 3: version held + 1. Delta 1 (sparse + a dense run), no-op 2, repair within 2.
+    std::vector<std::uint8_t> seed{rank};
+    put(seed, f.delta_publication(1, 0, {{1, 3, 0x4000}, {2, 5, 0x3F00}, {0, 100, 0x1234}}), 3);
+    Inbox noop;
+    for (std::int64_t s = 0; s < 2; ++s) {
+      wire::Message m;
+      m.kind = MessageKind::noop;
+      m.version = 2;
+      m.base = 1;
+      noop.emplace_back(s, wire::encode(m));
+    }
+    put(seed, noop, 3);
+    wire::Message repair;
+    repair.kind = MessageKind::repair;
+    repair.version = 2;
+    repair.runs.push_back({1, 0, std::vector<std::uint16_t>(16, 0x4242)});
+    put(seed, {{0, wire::encode(repair)}}, 2);
+    put(seed, f.delta_publication(1, 0, {{1, 4, 0x4000}}), 2);  // a replay of version 1
+    write(root / "receiver" / ("publications_rank" + std::to_string(rank)), seed);
+    std::vector<std::uint8_t> one{rank};
+    std::vector<DeltaEntry> many;
+    for (std::uint32_t i = 0; i < 300; ++i)
+      many.push_back({3, i * 7, static_cast<std::uint16_t>(0x3F00 + i)});
+    put(one, f.delta_publication(1, 0, many), 3);
+    write(root / "receiver" / ("blocks_rank" + std::to_string(rank)), one);
+  }
+  for (const char* kind : {"adamw", "sgd"}) {
+    const std::size_t n = 32;
+    std::vector<float> p0(n), p(n), m(n), v(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      p0[i] = 0.01f * static_cast<float>(i + 1);
+      m[i] = 1e-4f * static_cast<float>(i % 5);
+      v[i] = 1e-8f * static_cast<float>(i % 3);
+      p[i] = p0[i] * (1.0f - 1e-6f) - 1e-4f * static_cast<float>(i % 2);
+    }
+    io::SafetensorsWriter w;
+    w.add<float>("theta_prev", {n}, p0);
+    w.add<float>("theta", {n}, p);
+    if (std::string(kind) == "sgd") {
+      w.add<float>("momentum_buffer", {n}, m);
+      w.set_metadata("momentum", "0.9");
+    } else {
+      w.add<float>("exp_avg", {n}, m);
+      w.add<float>("exp_avg_sq", {n}, v);
+      w.set_metadata("step", "3");
+      w.set_metadata("eps", "1e-08");
+    }
+    w.set_metadata("optimizer", kind);
+    w.set_metadata("lr", "1e-05");
+    w.set_metadata("weight_decay", "0.1");
+    w.write(root / "optimizer_dump" / (std::string(kind) + ".safetensors"));
+  }
+  return 0;
+}

@@ -1,0 +1,36 @@
+// SPDX-License-Identifier: Apache-2.0
+// A full message that writes every live element of some of one receiver's tensors with one
+// value: how benchmarks and tests bring receivers they own to a first version without a
+// trainer (a receiver commits a full publication only when it writes every live element).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "dte/engine/message.hpp"
+#include "dte/engine/wire.hpp"
+#include "dte/layout/sglang.hpp"
+
+namespace dte::sim {
+
+// Tensors `tensors` of receiver TP rank ts (all of them when empty), every live element = bits.
+inline wire::Message full_message(const layout::SglangLayout& layout, std::int64_t ts, Version v,
+                                  std::uint16_t bits, std::vector<std::int64_t> tensors = {}) {
+  if (tensors.empty()) {
+    for (std::int64_t k = 0; k < layout.size(); ++k)
+      tensors.push_back(k);
+  }
+  wire::Message m;
+  m.kind = MessageKind::full;
+  m.version = v;
+  for (std::int64_t k : tensors) {
+    const std::int64_t n = layout.live_end(ts, k);
+    if (n > 0) {
+      m.runs.push_back({static_cast<std::uint32_t>(k), 0,
+                        std::vector<std::uint16_t>(static_cast<std::size_t>(n), bits)});
+    }
+  }
+  return m;
+}
+
+}  // namespace dte::sim
