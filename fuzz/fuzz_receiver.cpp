@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // libFuzzer harness: a receiver's message decoding and apply, over a sequence of publications.
-// The receiver (tiny-qwen3, receiver tp=2, 2 senders) starts at version 0 after a full
-// publication that wrote every live element, so its digest is a function of its tensors. Input
-// (docs/hardening.md): byte 0 picks the receiver rank; then rounds of
+// The receiver (ReceiverFixture::micro_model(), receiver tp=2, 2 senders) starts at version 0 after
+// a full publication that wrote every live element, so its digest is a function of its tensors.
+// Input (docs/hardening.md): byte 0 picks the receiver rank; then rounds of
 //   u8 version step (the version applied is held + step % 5 - 2, at least 0), u8 message count
 //   (% 5), and per message u8 sender (% 4: senders 2 and 3 do not exist), u16 length, bytes.
 // After every round: refused or current => tensors, version and digest untouched; committed =>
@@ -44,7 +44,8 @@ class Reader {
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   Reader in(data, size);
-  dte::test::ReceiverFixture f(in.u8() & 1, 2);
+  static const dte::layout::ModelSpec model = dte::test::ReceiverFixture::micro_model();
+  dte::test::ReceiverFixture f(in.u8() & 1, 2, model);
   DTE_FUZZ_REQUIRE(f.rx.apply(0, f.full_publication(0, 0x3F80)).committed());
   for (int round = 0; round < 8 && !in.empty(); ++round) {
     const std::int64_t step = in.u8() % 5;

@@ -42,10 +42,11 @@ int main(int argc, char** argv) {
   std::filesystem::create_directories(root / "optimizer_dump");
   using namespace dte;
   for (std::uint8_t rank : {0, 1}) {
-    test::ReceiverFixture f(rank, 2);
+    test::ReceiverFixture f(rank, 2, test::ReceiverFixture::micro_model());
     // step 3: version held + 1. Delta 1 (sparse + a dense run), no-op 2, repair within 2.
     std::vector<std::uint8_t> seed{rank};
     put(seed, f.delta_publication(1, 0, {{1, 3, 0x4000}, {2, 5, 0x3F00}, {0, 100, 0x1234}}), 3);
+    // (tensor 0 is embed_tokens: 64 rows x 16 on rank 0, 36 live rows on rank 1)
     Inbox noop;
     for (std::int64_t s = 0; s < 2; ++s) {
       wire::Message m;
@@ -64,8 +65,8 @@ int main(int argc, char** argv) {
     write(root / "receiver" / ("publications_rank" + std::to_string(rank)), seed);
     std::vector<std::uint8_t> one{rank};
     std::vector<DeltaEntry> many;
-    for (std::uint32_t i = 0; i < 300; ++i)
-      many.push_back({3, i * 7, static_cast<std::uint16_t>(0x3F00 + i)});
+    for (std::uint32_t i = 0; i < 300; ++i)  // tensor 0 (embed_tokens), 2 or 3 blocks
+      many.push_back({0, i * (rank == 0 ? 3u : 1u), static_cast<std::uint16_t>(0x3F00 + i)});
     put(one, f.delta_publication(1, 0, many), 3);
     write(root / "receiver" / ("blocks_rank" + std::to_string(rank)), one);
   }

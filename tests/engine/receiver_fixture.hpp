@@ -26,15 +26,30 @@ struct ReceiverFixture {
   std::vector<std::vector<std::uint16_t>> storage;  // the inference engine's own tensors
   Receiver rx;
 
-  // tiny-qwen3, receivers tp=2 (rank 1 holds 20 padded vocabulary rows), `senders` senders.
-  ReceiverFixture(std::int64_t rank, std::int64_t senders_)
-      : hf(layout::model_preset("tiny-qwen3")),
+  // tiny-qwen3 (or `model`), receivers tp=2 (rank 1 of tiny-qwen3 holds 20 padded vocabulary
+  // rows), `senders` senders.
+  ReceiverFixture(std::int64_t rank, std::int64_t senders_,
+                  const layout::ModelSpec& model = layout::model_preset("tiny-qwen3"))
+      : hf(model),
         recv(hf, layout::parse_infer_topology("tp=2")),
         senders(senders_),
         storage(make_storage(recv)),
         rx(hf, recv, rank, senders_, views(storage)) {}
   ReceiverFixture(const ReceiverFixture&) = delete;  // rx points into the members
   ReceiverFixture& operator=(const ReceiverFixture&) = delete;
+
+  // A model smaller than tiny-qwen3 with the same traps (two query heads per KV head, a padded
+  // vocabulary tail on receiver rank 1: rows 100..127): 2.7K elements per receiver rank, so the
+  // fuzz harness runs ~6x faster.
+  static layout::ModelSpec micro_model() {
+    layout::ModelSpec m;
+    m.name = "micro-qwen3";
+    m.architecture = "Qwen3ForCausalLM";
+    m.hidden = 16, m.layers = 1, m.heads = 4, m.kv_heads = 2, m.head_dim = 8;
+    m.intermediate = 16, m.vocab = 100;
+    m.validate();
+    return m;
+  }
 
   static std::vector<std::vector<std::uint16_t>> make_storage(const layout::SglangLayout& l) {
     std::vector<std::vector<std::uint16_t>> s;

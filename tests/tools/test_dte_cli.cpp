@@ -455,6 +455,17 @@ TEST_CASE("dte simulate: bad arguments are refused") {
       r.output);
   const Run k = run_dte("simulate --model tiny-qwen3 --steps 2 --publish-every 0");
   CHECK(k.status == 2);
+  // Numbers on the command line are bounded like those in files.
+  for (const char* args : {"simulate --model tiny-qwen3 --steps 1e300",
+                           "simulate --model tiny-qwen3 --steps 99999999999999999999",
+                           "simulate --model tiny-qwen3 --steps 2 --lr 1e300",
+                           "simulate --model tiny-qwen3 --steps 2 --deadline-ms 0",
+                           "bench pipeline --model tiny-qwen3 --layers 99999999",
+                           "bench pipeline --model tiny-qwen3 --fractions 2"}) {
+    const Run b = run_dte(args);
+    CHECK_MESSAGE(b.status != 0, args);
+    CHECK_MESSAGE(b.output.find("VERIFIED") == std::string::npos, b.output);
+  }
 }
 
 TEST_CASE("dte bench pipeline --json: every stage against the memory read, one object") {

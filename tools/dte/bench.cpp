@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.hpp"
+#include "dte/bounds.hpp"
 #include "dte/detect/detect.hpp"
 #include "dte/engine/receiver.hpp"
 #include "dte/engine/sender.hpp"
@@ -140,6 +141,7 @@ int run_pipeline(const BenchOptions& o) {
   layout::ModelSpec spec = io::load_model(o.model);
   if (o.layers > 0) spec.layers = o.layers;
   if (o.vocab > 0) spec.vocab = o.vocab;
+  spec.validate();  // the overrides too
   const layout::TrainTopology train = layout::parse_train_topology(o.train);
   const layout::InferTopology infer = layout::parse_infer_topology(o.infer);
   layout::validate(spec, train);
@@ -294,17 +296,25 @@ void register_bench(CLI::App& app, int& status) {
   auto o = std::make_shared<BenchOptions>();
   cmd->add_option("--model", o->model, "preset or config.json")->capture_default_str();
   cmd->add_option("--layers", o->layers, "decoder layers (real per-layer shapes)")
-      ->capture_default_str();
-  cmd->add_option("--vocab", o->vocab, "vocabulary (0: the model's)")->capture_default_str();
+      ->capture_default_str()
+      ->check(CLI::Range(std::int64_t{0}, limits::layers));
+  cmd->add_option("--vocab", o->vocab, "vocabulary (0: the model's)")
+      ->capture_default_str()
+      ->check(CLI::Range(std::int64_t{0}, limits::vocab));
   cmd->add_option("--train", o->train, "trainer topology")->capture_default_str();
-  cmd->add_option("--rank", o->rank, "the trainer rank timed")->capture_default_str();
+  cmd->add_option("--rank", o->rank, "the trainer rank timed")
+      ->capture_default_str()
+      ->check(CLI::Range(std::int64_t{0}, limits::world - 1));
   cmd->add_option("--infer", o->infer, "receiver topology")->capture_default_str();
   cmd->add_option("--threads", o->threads, "executor threads (0: every core)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(CLI::Range(0, 4096));
   cmd->add_option("--repeat", o->repeat, "runs of each stage (the best is reported)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
-  cmd->add_option("--fractions", o->fractions, "changed fractions to time")->capture_default_str();
+      ->check(CLI::Range(1, 1000));
+  cmd->add_option("--fractions", o->fractions, "changed fractions to time")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1.0));
   cmd->add_flag("--json", o->json, "one JSON object");
   cmd->callback([o, &status] { status = run_pipeline(*o); });
 }

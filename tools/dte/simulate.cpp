@@ -11,6 +11,7 @@
 #include "commands.hpp"
 #include "dte/detect/detect.hpp"
 #include "dte/engine/engine.hpp"
+#include "dte/optim/validate.hpp"
 #include "dte/sim/cluster.hpp"
 #include "dte/sim/dense_check.hpp"
 #include "simulate.hpp"
@@ -62,12 +63,15 @@ void register_simulate(CLI::App& app, int& status) {
   cmd->add_option("--infer", o->infer, "receiver topology (as dte plan)")->capture_default_str();
   cmd->add_option("--steps", o->steps, "optimizer steps")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(std::int64_t{1}, std::int64_t{10'000'000}));
   cmd->add_option("--publish-every", o->publish_every, "publish every K optimizer steps")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
-  cmd->add_option("--lr", o->lr, "peak learning rate (warmup then cosine)")->capture_default_str();
-  cmd->add_option("--warmup", o->warmup, "warmup steps (default: steps/10)");
+      ->check(CLI::Range(std::int64_t{1}, std::int64_t{10'000'000}));
+  cmd->add_option("--lr", o->lr, "peak learning rate (warmup then cosine)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, limits::max_lr));
+  cmd->add_option("--warmup", o->warmup, "warmup steps (default: steps/10)")
+      ->check(CLI::Range(std::int64_t{0}, std::int64_t{10'000'000}));
   cmd->add_option("--seed", o->seed, "seed of weights and gradients")->capture_default_str();
   cmd->add_flag("--json", o->json, "one JSON line per publication, then a summary object");
   cmd->add_option(
@@ -80,7 +84,8 @@ void register_simulate(CLI::App& app, int& status) {
       ->check(CLI::IsMember({"loopback", "mpi"}))
       ->capture_default_str();
   cmd->add_option("--deadline-ms", o->deadline_ms, "MPI: deadline of every wait")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(CLI::Range(std::int64_t{1}, std::int64_t{3'600'000}));
   cmd->add_option("--fault", o->fault,
                   "MPI fault test: kill-receiver:R:V (receiver R SIGKILLs itself in version V's "
                   "payload round) or stall-trainer:G:V (trainer G stalls there past the deadline)");
