@@ -182,6 +182,29 @@ TEST_CASE("a bit flipped in a value is caught by the digest and repaired") {
   CHECK(golden_mismatches(f.hf, f.recv, f.trainer, f.engine) == 0);
 }
 
+TEST_CASE("a refused repair is reported, the publication is not verified; the next one repairs") {
+  Fixture f;
+  // Delivery: a value to receiver 0 flipped (its digest disagrees); repair: the repair message
+  // to receiver 0 gets a version 256 ahead (byte 9, bit 0), so receiver 0 refuses it.
+  f.engine.world().inject(
+      {.kind = TransportFault::Kind::bitflip,
+       .src = 0,
+       .dst = 0,
+       .bit = 3,
+       .where = [](std::span<const std::byte> b) { return wire::first_value_offset(b); }});
+  f.engine.world().inject(
+      {.kind = TransportFault::Kind::bitflip, .src = 0, .dst = 0, .byte = 9, .bit = 0});
+  const SyncReport rep = f.step();
+  CHECK_FALSE(rep.repaired.empty());
+  CHECK(rep.repair_refused == std::vector<std::int64_t>{0});
+  CHECK_FALSE(rep.verified);
+  CHECK(golden_mismatches(f.hf, f.recv, f.trainer, f.engine) > 0);  // receiver 0 is still wrong
+  const SyncReport next = f.step();
+  CHECK(next.repair_refused.empty());
+  CHECK(next.verified);
+  CHECK(golden_mismatches(f.hf, f.recv, f.trainer, f.engine) == 0);
+}
+
 TEST_CASE("a bit flipped in the header makes the receiver refuse; it is fully resynced") {
   Fixture f;
   // Byte 9 is inside the version (32-byte header: magic, kind, reserved, version, ...).

@@ -17,6 +17,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -63,11 +64,13 @@ class LoopbackWorld {
   // The endpoint of rank r (senders [0, S), receivers [S, S + R)); one thread per rank.
   [[nodiscard]] LoopbackTwoRound& endpoint(int rank);
 
-  // The next exchange suffers this fault (once). A duplicate needs the previous exchange's
-  // payloads: call keep_history(true) first (off by default: it doubles the payload memory).
+  // The next exchange suffers this fault (once); faults injected together queue up, one per
+  // exchange in order (e.g. a publication's delivery, then its repair). A duplicate needs the
+  // previous exchange's payloads: call keep_history(true) first (off by default: it doubles the
+  // payload memory).
   void inject(const TransportFault& f) {
     std::lock_guard lock(mutex_);
-    fault_ = f;
+    faults_.push_back(f);
   }
   void keep_history(bool on) {
     std::lock_guard lock(mutex_);
@@ -137,7 +140,7 @@ class LoopbackWorld {
   // The exchange in flight: what every sender posted (round 1), valid until the last rendezvous.
   std::vector<const std::vector<Payload>*> posted_;
   std::vector<std::vector<std::uint64_t>*> sums_;  // sum(): every rank's vector
-  std::optional<TransportFault> fault_;
+  std::deque<TransportFault> faults_;              // the front one hits the next exchange
   bool keep_history_ = false;
   std::vector<std::vector<Bytes>> history_;            // [sender][receiver]: the previous exchange
   std::vector<std::uint64_t> bytes_to_, messages_to_;  // per receiver, the last exchange
@@ -177,7 +180,7 @@ class LoopbackTwoRound {
     if (rank_ == 0) {
       // Every receiver has copied: the fault (once) is spent.
       std::lock_guard lock(w.mutex_);
-      w.fault_.reset();
+      if (!w.faults_.empty()) w.faults_.pop_front();
     }
     w.rendezvous(rank_, "the end of the exchange");
     return inbox;
@@ -217,7 +220,7 @@ class LoopbackTwoRound {
     bool history = false;
     {
       std::lock_guard lock(w.mutex_);
-      fault = w.fault_;
+      if (!w.faults_.empty()) fault = w.faults_.front();
       history = w.keep_history_;
     }
     const auto hits = [&](TransportFault::Kind k, int s) {
