@@ -142,6 +142,8 @@ TEST_CASE("a message of a later version than the one applied is refused") {
 TEST_CASE("a delta on no_version is refused by a fresh receiver") {
   ReceiverFixture f(0, 2);
   const auto before = f.snapshot();
+  check_refused(f, f.rx.apply(no_version, f.full_publication(no_version, 0x3F80)), before,
+                "version 2^64 - 1 is reserved", RefusalKind::protocol);
   const ApplyResult r = f.rx.apply(0, f.delta_publication(0, no_version, {{1, 3, 0x4000}}));
   check_refused(f, r, before, "holds nothing yet; it needs a full publication first",
                 RefusalKind::protocol);

@@ -132,6 +132,11 @@ class Receiver {
     std::vector<std::pair<std::int64_t, wire::MessageView>> accepted;  // (sender, message)
     bool full = false;
     try {
+      if (version == no_version) {
+        refuse("receiver " + std::to_string(rank_) +
+                   ": version 2^64 - 1 is reserved (no_version: a receiver that holds nothing)",
+               -1, version);
+      }
       std::vector<std::uint8_t> from(static_cast<std::size_t>(senders_), 0);
       std::optional<MessageKind> kind;
       for (const auto& [src, bytes] : inbox) {
