@@ -9,7 +9,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${DTE_BUILD_DIR:-$root/build}"
 
-"$root/tools/install-deps.sh"
+"$root/tools/install-deps.sh" demo
 if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
   export PATH="/usr/local/cuda/bin:$PATH"
 fi
@@ -18,5 +18,9 @@ if command -v ccache >/dev/null; then launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=cc
 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${launcher[@]}" >/dev/null
 cmake --build "$build" --target dte_tool -j "$(nproc)" >/dev/null
 
+steps=(--steps 50)
+for a in "$@"; do
+  case "$a" in --steps | --steps=*) steps=() ;; esac  # the caller's count wins
+done
 exec "$build/tools/dte/dte" simulate --model small-qwen3 --train tp=2,dp=2 --infer tp=4,replicas=2 \
-  --steps 50 "$@"
+  "${steps[@]}" "$@"

@@ -3,14 +3,22 @@
 # Installs the Debian packages dte's build, tests, tools and benchmarks need: only those that
 # are missing, so a prepared machine pays nothing. The CUDA toolkit (nvcc, CCCL, NCCL) is
 # expected from the machine image; without it the CUDA targets are simply not built.
+#   tools/install-deps.sh        everything (tools/test.sh)
+#   tools/install-deps.sh demo   only what configuring and building the dte command needs
+#                                (tools/demo.sh): no torch, MPI or clang, which only tests use
 set -euo pipefail
 
+demo_packages=(
+  cmake ninja-build g++ ccache
+  doctest-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev
+)
 packages=(
-  cmake ninja-build g++ ccache clang-format clang-14 libclang-rt-14-dev
-  doctest-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev libzstd-dev libxxhash-dev
+  "${demo_packages[@]}"
+  clang-format clang-14 libclang-rt-14-dev libzstd-dev libxxhash-dev
   python3 python3-torch
   libopenmpi-dev openmpi-bin
 )
+if [ "${1:-}" = "demo" ]; then packages=("${demo_packages[@]}"); fi
 
 missing=()
 for p in "${packages[@]}"; do
