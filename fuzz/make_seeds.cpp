@@ -47,15 +47,7 @@ int main(int argc, char** argv) {
     std::vector<std::uint8_t> seed{rank};
     put(seed, f.delta_publication(1, 0, {{1, 3, 0x4000}, {2, 5, 0x3F00}, {0, 100, 0x1234}}), 3);
     // (tensor 0 is embed_tokens: 64 rows x 16 on rank 0, 36 live rows on rank 1)
-    Inbox noop;
-    for (std::int64_t s = 0; s < 2; ++s) {
-      wire::Message m;
-      m.kind = MessageKind::noop;
-      m.version = 2;
-      m.base = 1;
-      noop.emplace_back(s, wire::encode(m));
-    }
-    put(seed, noop, 3);
+    put(seed, f.noop_publication(2, 1), 3);
     wire::Message repair;
     repair.kind = MessageKind::repair;
     repair.version = 2;

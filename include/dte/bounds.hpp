@@ -7,9 +7,11 @@
 // given and the allowed range.
 #pragma once
 
+#include <charconv>
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <system_error>
 
 #include "dte/error.hpp"
 
@@ -52,6 +54,23 @@ inline std::string quoted_field(std::string_view source, std::string_view field)
   return s;
 }
 
+// Decimal digits (an optional '-', nothing else) as an int64: `integer` false when the text is
+// not one, `fits` false when it is one too large for 64 bits (refuse it quoting the text).
+struct DecimalInteger {
+  bool integer = false, fits = false;
+  std::int64_t value = 0;
+};
+
+inline DecimalInteger parse_decimal(std::string_view text) noexcept {
+  DecimalInteger d;
+  const char* end = text.data() + text.size();
+  const auto [ptr, ec] = std::from_chars(text.data(), end, d.value);
+  d.integer =
+      !text.empty() && ptr == end && (ec == std::errc{} || ec == std::errc::result_out_of_range);
+  d.fits = d.integer && ec == std::errc{};
+  return d;
+}
+
 // Refuses v outside [lo, hi]. `field` is the name as the user wrote it.
 inline std::int64_t require_range(std::string_view source, std::string_view field, std::int64_t v,
                                   std::int64_t lo, std::int64_t hi, std::string_view hint = {}) {
@@ -62,32 +81,34 @@ inline std::int64_t require_range(std::string_view source, std::string_view fiel
                      about(std::string(source), std::string(field)));
 }
 
+namespace detail {
+
+[[noreturn]] inline void refuse_arithmetic(std::string_view what, std::int64_t a, char op,
+                                           std::int64_t b, bool overflow, std::int64_t r,
+                                           std::int64_t limit) {
+  throw bounds_error(std::string(what) + " = " + std::to_string(a) + " " + op + " " +
+                         std::to_string(b) +
+                         (overflow ? " overflows 64 bits" : " = " + std::to_string(r)) +
+                         ", more than dte's limit of " + std::to_string(limit),
+                     about({}, std::string(what)));
+}
+
+}  // namespace detail
+
 // a*b and a+b for non-negative operands, refused (naming what is computed) past `limit`.
 inline std::int64_t checked_mul(std::int64_t a, std::int64_t b, std::string_view what,
                                 std::int64_t limit = INT64_MAX) {
   std::int64_t r = 0;
-  if (a < 0 || b < 0 || __builtin_mul_overflow(a, b, &r) || r > limit) {
-    throw bounds_error(
-        std::string(what) + " = " + std::to_string(a) + " * " + std::to_string(b) +
-            (a < 0 || b < 0 || __builtin_mul_overflow(a, b, &r) ? " overflows 64 bits"
-                                                                : " = " + std::to_string(r)) +
-            ", more than dte's limit of " + std::to_string(limit),
-        ErrorContext{{}, std::string(what)});
-  }
+  const bool overflow = a < 0 || b < 0 || __builtin_mul_overflow(a, b, &r);
+  if (overflow || r > limit) detail::refuse_arithmetic(what, a, '*', b, overflow, r, limit);
   return r;
 }
 
 inline std::int64_t checked_add(std::int64_t a, std::int64_t b, std::string_view what,
                                 std::int64_t limit = INT64_MAX) {
   std::int64_t r = 0;
-  if (a < 0 || b < 0 || __builtin_add_overflow(a, b, &r) || r > limit) {
-    throw bounds_error(
-        std::string(what) + " = " + std::to_string(a) + " + " + std::to_string(b) +
-            (a < 0 || b < 0 || __builtin_add_overflow(a, b, &r) ? " overflows 64 bits"
-                                                                : " = " + std::to_string(r)) +
-            ", more than dte's limit of " + std::to_string(limit),
-        ErrorContext{{}, std::string(what)});
-  }
+  const bool overflow = a < 0 || b < 0 || __builtin_add_overflow(a, b, &r);
+  if (overflow || r > limit) detail::refuse_arithmetic(what, a, '+', b, overflow, r, limit);
   return r;
 }
 

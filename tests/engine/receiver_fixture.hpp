@@ -64,15 +64,10 @@ struct ReceiverFixture {
     return v;
   }
 
-  // A full message from one sender writing every live element of the given tensors.
+  // A full message from one sender writing every live element of the given tensors (none: a
+  // bare header).
   [[nodiscard]] wire::Message full(Version v, std::uint16_t bits,
                                    const std::vector<std::int64_t>& tensors) const {
-    if (tensors.empty()) {  // a bare header (full_message would write every tensor)
-      wire::Message m;
-      m.kind = MessageKind::full;
-      m.version = v;
-      return m;
-    }
     return sim::full_message(recv, rx.rank() % recv.topology().tp, v, bits, tensors);
   }
 
@@ -100,6 +95,19 @@ struct ReceiverFixture {
       m.version = v;
       m.base = base;
       if (s == 0) m.entries = entries;
+      in.emplace_back(s, wire::encode(m));
+    }
+    return in;
+  }
+
+  // An explicit no-op version v on `base`: a bare header from every sender.
+  [[nodiscard]] Inbox noop_publication(Version v, Version base) const {
+    Inbox in;
+    for (std::int64_t s = 0; s < senders; ++s) {
+      wire::Message m;
+      m.kind = MessageKind::noop;
+      m.version = v;
+      m.base = base;
       in.emplace_back(s, wire::encode(m));
     }
     return in;

@@ -52,15 +52,7 @@ TEST_CASE("a complete publication commits and keeps the digest equal to the tens
   CHECK(f.storage[1][3] == 0x4000);
   CHECK(f.rx.digest() == f.digest_of_tensors());
   // A no-op version: headers only, from every sender.
-  Inbox noop;
-  for (std::int64_t s = 0; s < 3; ++s) {
-    wire::Message m;
-    m.kind = MessageKind::noop;
-    m.version = 2;
-    m.base = 1;
-    noop.emplace_back(s, wire::encode(m));
-  }
-  CHECK(f.rx.apply(2, noop).committed());
+  CHECK(f.rx.apply(2, f.noop_publication(2, 1)).committed());
   CHECK(f.rx.version() == 2);
 }
 
@@ -231,12 +223,7 @@ TEST_CASE("a full publication must write every live element exactly once") {
   const auto fresh = f.snapshot();
   // Sender 1 sends a bare full header: half the tensors are never written.
   Inbox half = f.full_publication(0, 0x3F80);
-  half[1].second = [&] {
-    wire::Message m;
-    m.kind = MessageKind::full;
-    m.version = 0;
-    return wire::encode(m);
-  }();
+  half[1].second = wire::encode(f.full(0, 0x3F80, {}));
   check_refused(f, f.rx.apply(0, half), fresh, "live elements this receiver holds; refused",
                 RefusalKind::protocol);
   // Both senders write tensor 0.

@@ -32,16 +32,9 @@ using namespace dte;
 
 namespace {
 
-// tiny-qwen3 as a config.json, with `field` replaced by the raw JSON text `value`.
-std::string config_text(const std::string& field = {}, const std::string& value = {}) {
-  nlohmann::ordered_json j = {{"architectures", {"Qwen3ForCausalLM"}},
-                              {"hidden_size", 32},
-                              {"num_hidden_layers", 4},
-                              {"num_attention_heads", 8},
-                              {"num_key_value_heads", 2},
-                              {"head_dim", 16},
-                              {"intermediate_size", 48},
-                              {"vocab_size", 300}};
+// `j` as JSON text with the value of `field` replaced by the raw JSON text `value`.
+std::string with_field(const nlohmann::ordered_json& j, const std::string& field,
+                       const std::string& value) {
   std::string text = j.dump();
   if (!field.empty()) {
     const std::string key = "\"" + field + "\":";
@@ -53,26 +46,31 @@ std::string config_text(const std::string& field = {}, const std::string& value 
   return text;
 }
 
+// tiny-qwen3 as a config.json, with `field` replaced by the raw JSON text `value`.
+std::string config_text(const std::string& field = {}, const std::string& value = {}) {
+  return with_field({{"architectures", {"Qwen3ForCausalLM"}},
+                     {"hidden_size", 32},
+                     {"num_hidden_layers", 4},
+                     {"num_attention_heads", 8},
+                     {"num_key_value_heads", 2},
+                     {"head_dim", 16},
+                     {"intermediate_size", 48},
+                     {"vocab_size", 300}},
+                    field, value);
+}
+
 std::string moe_config_text(const std::string& field = {}, const std::string& value = {}) {
-  nlohmann::ordered_json j = {{"architectures", {"Qwen3MoeForCausalLM"}},
-                              {"hidden_size", 32},
-                              {"num_hidden_layers", 4},
-                              {"num_attention_heads", 8},
-                              {"num_key_value_heads", 2},
-                              {"head_dim", 16},
-                              {"moe_intermediate_size", 16},
-                              {"num_experts", 8},
-                              {"num_experts_per_tok", 2},
-                              {"vocab_size", 300}};
-  std::string text = j.dump();
-  if (!field.empty()) {
-    const std::string key = "\"" + field + "\":";
-    const auto at = text.find(key);
-    REQUIRE(at != std::string::npos);
-    const auto end = text.find_first_of(",}", at);
-    text.replace(at + key.size(), end - at - key.size(), value);
-  }
-  return text;
+  return with_field({{"architectures", {"Qwen3MoeForCausalLM"}},
+                     {"hidden_size", 32},
+                     {"num_hidden_layers", 4},
+                     {"num_attention_heads", 8},
+                     {"num_key_value_heads", 2},
+                     {"head_dim", 16},
+                     {"moe_intermediate_size", 16},
+                     {"num_experts", 8},
+                     {"num_experts_per_tok", 2},
+                     {"vocab_size", 300}},
+                    field, value);
 }
 
 layout::ModelSpec load(const std::string& text) {

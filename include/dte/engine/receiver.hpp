@@ -254,61 +254,64 @@ class Receiver {
     return version_ == no_version ? std::string("nothing yet") : std::to_string(version_);
   }
 
-  [[noreturn]] void refuse(const std::string& what, std::int64_t sender, Version version) const {
+  // What a refusal of this receiver is about (`field`: the tensor, when there is one).
+  [[nodiscard]] ErrorContext context(std::int64_t sender, Version version,
+                                     std::string field = {}) const {
     ErrorContext c;
+    c.field = std::move(field);
     c.rank = rank_;
     c.peer = sender;
     c.version = version;
     c.held = version_;
-    throw protocol_error(what, std::move(c));
+    return c;
+  }
+
+  [[noreturn]] void refuse(const std::string& what, std::int64_t sender, Version version) const {
+    throw protocol_error(what, context(sender, version));
   }
 
   // The per-message rules once the publication is complete: base, no-op emptiness, and every
   // group inside the live part of an existing tensor.
   void check(const wire::MessageView& m, std::int64_t src, Version version) const {
-    const std::string who = "receiver " + std::to_string(rank_) + ", message from sender ";
+    const std::string who =
+        "receiver " + std::to_string(rank_) + ", message from sender " + std::to_string(src);
+    const auto base = [&] {
+      return m.base() == no_version ? std::string("none") : std::to_string(m.base());
+    };
     if (m.kind() == MessageKind::delta || m.kind() == MessageKind::noop) {
       if (version_ == no_version) {
-        refuse(who + std::to_string(src) + ": a " + kind_name(m.kind()) + " on base version " +
-                   (m.base() == no_version ? std::string("none") : std::to_string(m.base())) +
+        refuse(who + ": a " + kind_name(m.kind()) + " on base version " + base() +
                    " but this receiver holds nothing yet; it needs a full publication first",
                src, version);
       }
       if (m.base() != version_) {
-        refuse(who + std::to_string(src) + ": delta on base version " +
-                   (m.base() == no_version ? std::string("none") : std::to_string(m.base())) +
-                   " but this receiver holds " + held_name() + "; refused, a full resync is needed",
+        refuse(who + ": delta on base version " + base() + " but this receiver holds " +
+                   held_name() + "; refused, a full resync is needed",
                src, version);
       }
     }
     if (m.kind() == MessageKind::noop && (m.entry_count() != 0 || m.run_count() != 0)) {
-      refuse(who + std::to_string(src) + ": a no-op version carries elements", src, version);
+      refuse(who + ": a no-op version carries elements", src, version);
     }
     m.for_each_group([&](const wire::Group& g) {
-      ErrorContext c;
-      c.rank = rank_;
-      c.peer = src;
-      c.version = version;
-      c.held = version_;
       if (g.tensor >= tensors_.size()) {
-        throw bounds_error(who + std::to_string(src) + ": tensor id " + std::to_string(g.tensor) +
-                               " does not exist (" + std::to_string(tensors_.size()) + " tensors)",
-                           std::move(c));
+        throw bounds_error(who + ": tensor id " + std::to_string(g.tensor) + " does not exist (" +
+                               std::to_string(tensors_.size()) + " tensors)",
+                           context(src, version));
       }
-      c.field = layout_->name(g.tensor);
       if (g.last >= tensors_[g.tensor].size()) {
-        throw bounds_error(who + std::to_string(src) + ": index " + std::to_string(g.last) +
-                               " is outside " + layout_->name(g.tensor) + " (" +
+        throw bounds_error(who + ": index " + std::to_string(g.last) + " is outside " +
+                               layout_->name(g.tensor) + " (" +
                                std::to_string(tensors_[g.tensor].size()) + " elements)",
-                           std::move(c));
+                           context(src, version, layout_->name(g.tensor)));
       }
       if (g.last >= live_end_[g.tensor]) {
         throw bounds_error(
-            who + std::to_string(src) + ": index " + std::to_string(g.last) + " of " +
-                layout_->name(g.tensor) + " lies in the vocabulary padding (elements " +
-                std::to_string(live_end_[g.tensor]) + " to " +
-                std::to_string(tensors_[g.tensor].size()) + "), which no message may write",
-            std::move(c));
+            who + ": index " + std::to_string(g.last) + " of " + layout_->name(g.tensor) +
+                " lies in the vocabulary padding (elements " + std::to_string(live_end_[g.tensor]) +
+                " to " + std::to_string(tensors_[g.tensor].size()) +
+                "), which no message may write",
+            context(src, version, layout_->name(g.tensor)));
       }
     });
   }

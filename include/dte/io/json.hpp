@@ -179,15 +179,11 @@ class JsonReader {
     if (!v.is_number_integer()) {
       fail(path, "is " + detail::shown(v) + ", not an integer; it must be an integer in " + range);
     }
-    if (v.is_number_unsigned() ? v.get<std::uint64_t>() > static_cast<std::uint64_t>(hi)
-                               : (v.get<std::int64_t>() < lo || v.get<std::int64_t>() > hi)) {
-      throw bounds_error(
-          source_ + ": field '" + path + "' is " + v.dump() + "; it must be an integer in " + range,
-          about(source_, path));
-    }
-    const auto x = v.is_number_unsigned() ? static_cast<std::int64_t>(v.get<std::uint64_t>())
-                                          : v.get<std::int64_t>();
-    if (x < lo) {
+    // An unsigned value above INT64_MAX is above every hi; anything else fits an int64.
+    const bool huge =
+        v.is_number_unsigned() && v.get<std::uint64_t>() > static_cast<std::uint64_t>(INT64_MAX);
+    const std::int64_t x = huge ? 0 : v.get<std::int64_t>();
+    if (huge || x < lo || x > hi) {
       throw bounds_error(
           source_ + ": field '" + path + "' is " + v.dump() + "; it must be an integer in " + range,
           about(source_, path));

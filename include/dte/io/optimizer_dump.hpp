@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "dte/audit.hpp"
+#include "dte/bounds.hpp"
 #include "dte/detect/detect.hpp"
 #include "dte/error.hpp"
 #include "dte/io/safetensors.hpp"
@@ -94,21 +95,19 @@ class MetadataReader {
   // An integer written as digits ("7", not "7.0" or "1e300"), in [lo, hi].
   [[nodiscard]] std::int64_t integer(std::string_view key, std::int64_t lo, std::int64_t hi) const {
     const std::string& s = text(key);
-    std::int64_t i = 0;
-    const char* end = s.data() + s.size();
-    const auto [ptr, ec] = std::from_chars(s.data(), end, i);
-    if (ptr != end || s.empty() || (ec != std::errc{} && ec != std::errc::result_out_of_range)) {
+    const DecimalInteger d = parse_decimal(s);
+    if (!d.integer) {
       throw format_error(std::string(source_) + ": metadata key '" + std::string(key) + "' is '" +
                              s + "', not an integer",
                          about(std::string(source_), std::string(key)));
     }
-    if (ec == std::errc::result_out_of_range || i < lo || i > hi) {
+    if (!d.fits || d.value < lo || d.value > hi) {
       throw bounds_error(std::string(source_) + ": metadata key '" + std::string(key) + "' is '" +
                              s + "'; it must be an integer in [" + std::to_string(lo) + ", " +
                              std::to_string(hi) + "]",
                          about(std::string(source_), std::string(key)));
     }
-    return i;
+    return d.value;
   }
 
   [[nodiscard]] bool flag(std::string_view key, bool fallback) const {

@@ -6,7 +6,6 @@
 #pragma once
 
 #include <algorithm>
-#include <charconv>
 #include <cstdint>
 #include <numeric>
 #include <string>
@@ -68,22 +67,19 @@ namespace detail {
 // An integer in [1, hi] as written on the command line; the text is quoted back as given.
 inline std::int64_t parse_positive(std::string_view flag, std::string_view key,
                                    std::string_view text, std::int64_t hi) {
-  std::int64_t v = 0;
-  const auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-  const bool integer = !text.empty() && ptr == text.data() + text.size() &&
-                       (ec == std::errc{} || ec == std::errc::result_out_of_range);
-  if (!integer) {
+  const DecimalInteger d = parse_decimal(text);
+  if (!d.integer) {
     throw invalid_argument(std::string(flag) + ": " + std::string(key) + "=" + std::string(text) +
                                " is not a positive integer",
                            about(std::string(flag), std::string(key)));
   }
-  if (ec == std::errc::result_out_of_range || v < 1 || v > hi) {
+  if (!d.fits || d.value < 1 || d.value > hi) {
     throw bounds_error(std::string(flag) + ": " + std::string(key) + "=" + std::string(text) +
                            " is out of range; " + std::string(key) + " must be an integer in [1, " +
                            std::to_string(hi) + "]",
                        about(std::string(flag), std::string(key)));
   }
-  return v;
+  return d.value;
 }
 
 // "a=1,b=2" -> calls set(key, value) for each pair.
@@ -118,6 +114,36 @@ inline void require_divides(std::string_view side, std::string_view what, std::i
   throw invalid_argument(std::string(side) + ": " + std::string(what) + " (" +
                          std::to_string(value) + ") is not divisible by " + std::string(by_what) +
                          " (" + std::to_string(by) + ")");
+}
+
+// Every value of a topology in its range and the world sizes below limits::world: parsed
+// topologies and those built in code alike.
+inline void check_bounds(const TrainTopology& t) {
+  const std::string_view side = "--train";
+  require_range(side, "tp", t.tp, 1, limits::tp);
+  require_range(side, "pp", t.pp, 1, limits::pp);
+  require_range(side, "ep", t.ep, 1, limits::ep);
+  require_range(side, "etp", t.etp, 1, limits::tp);
+  require_range(side, "dp", t.dp, 1, limits::dp);
+  require_range(side, "bucket", t.bucket_size, 0, limits::buffer_elements);
+  require_range(side, "vocab_div", t.vocab_divisible_by, 1, limits::vocab_divisible_by);
+  checked_mul(checked_mul(t.tp, t.dp, "--train: tp * dp", limits::world), t.pp,
+              "--train: the world (tp * dp) * pp", limits::world);
+  checked_mul(t.vocab_divisible_by, t.tp, "--train: vocab_div * tp", limits::vocab);
+  if (t.layer_split.size() > static_cast<std::size_t>(limits::pp)) {
+    throw bounds_error("--train: split lists " + std::to_string(t.layer_split.size()) +
+                       " stages; pp is at most " + std::to_string(limits::pp));
+  }
+  for (std::int64_t n : t.layer_split)
+    require_range(side, "split", n, 1, limits::layers);
+}
+
+inline void check_bounds(const InferTopology& t) {
+  const std::string_view side = "--infer";
+  require_range(side, "tp", t.tp, 1, limits::tp);
+  require_range(side, "ep", t.ep, 1, limits::ep);
+  require_range(side, "replicas", t.replicas, 1, limits::replicas);
+  checked_mul(t.tp, t.replicas, "--infer: the receiver ranks tp * replicas", limits::world);
 }
 
 }  // namespace detail
@@ -160,9 +186,7 @@ inline TrainTopology parse_train_topology(std::string_view spec) {
                              "'; keys: tp, pp, ep, etp, dp, split, bucket, vocab_div");
     }
   });
-  checked_mul(checked_mul(t.tp, t.dp, "--train: tp * dp", limits::world), t.pp,
-              "--train: the world (tp * dp) * pp", limits::world);
-  checked_mul(t.vocab_divisible_by, t.tp, "--train: vocab_div * tp", limits::vocab);
+  detail::check_bounds(t);
   return t;
 }
 
@@ -181,7 +205,7 @@ inline InferTopology parse_infer_topology(std::string_view spec) {
                              "'; keys: tp, ep, replicas");
     }
   });
-  checked_mul(t.tp, t.replicas, "--infer: the receiver ranks tp * replicas", limits::world);
+  detail::check_bounds(t);
   return t;
 }
 
@@ -190,22 +214,7 @@ inline InferTopology parse_infer_topology(std::string_view spec) {
 inline void validate(const ModelSpec& m, const TrainTopology& t) {
   using detail::require_divides;
   const std::string_view side = "--train";
-  require_range(side, "tp", t.tp, 1, limits::tp);
-  require_range(side, "pp", t.pp, 1, limits::pp);
-  require_range(side, "ep", t.ep, 1, limits::ep);
-  require_range(side, "etp", t.etp, 1, limits::tp);
-  require_range(side, "dp", t.dp, 1, limits::dp);
-  require_range(side, "bucket", t.bucket_size, 0, limits::buffer_elements);
-  require_range(side, "vocab_div", t.vocab_divisible_by, 1, limits::vocab_divisible_by);
-  checked_mul(checked_mul(t.tp, t.dp, "--train: tp * dp", limits::world), t.pp,
-              "--train: the world (tp * dp) * pp", limits::world);
-  checked_mul(t.vocab_divisible_by, t.tp, "--train: vocab_div * tp", limits::vocab);
-  if (t.layer_split.size() > static_cast<std::size_t>(limits::pp)) {
-    throw bounds_error("--train: split lists " + std::to_string(t.layer_split.size()) +
-                       " stages; pp is at most " + std::to_string(limits::pp));
-  }
-  for (std::int64_t n : t.layer_split)
-    require_range(side, "split", n, 1, limits::layers);
+  detail::check_bounds(t);
   require_divides(side, "num_attention_heads", m.heads, "tp", t.tp);
   require_divides(side, "QKV rows (heads + 2*kv_heads)*head_dim",
                   (m.heads + 2 * m.kv_heads) * m.head_dim, "tp", t.tp);
@@ -243,10 +252,7 @@ inline void validate(const ModelSpec& m, const TrainTopology& t) {
 inline void validate(const ModelSpec& m, const InferTopology& t) {
   using detail::require_divides;
   const std::string_view side = "--infer";
-  require_range(side, "tp", t.tp, 1, limits::tp);
-  require_range(side, "ep", t.ep, 1, limits::ep);
-  require_range(side, "replicas", t.replicas, 1, limits::replicas);
-  checked_mul(t.tp, t.replicas, "--infer: the receiver ranks tp * replicas", limits::world);
+  detail::check_bounds(t);
   require_divides(side, "num_attention_heads", m.heads, "tp", t.tp);
   if (t.tp > m.kv_heads) {
     require_divides(side, "tp", t.tp, "num_key_value_heads", m.kv_heads);

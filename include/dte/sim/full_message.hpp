@@ -13,13 +13,10 @@
 
 namespace dte::sim {
 
-// Tensors `tensors` of receiver TP rank ts (all of them when empty), every live element = bits.
+// Tensors `tensors` of receiver TP rank ts, every live element = bits (no tensors: a bare
+// full header).
 inline wire::Message full_message(const layout::SglangLayout& layout, std::int64_t ts, Version v,
-                                  std::uint16_t bits, std::vector<std::int64_t> tensors = {}) {
-  if (tensors.empty()) {
-    for (std::int64_t k = 0; k < layout.size(); ++k)
-      tensors.push_back(k);
-  }
+                                  std::uint16_t bits, const std::vector<std::int64_t>& tensors) {
   wire::Message m;
   m.kind = MessageKind::full;
   m.version = v;
@@ -31,6 +28,15 @@ inline wire::Message full_message(const layout::SglangLayout& layout, std::int64
     }
   }
   return m;
+}
+
+// Every tensor of receiver TP rank ts.
+inline wire::Message full_message(const layout::SglangLayout& layout, std::int64_t ts, Version v,
+                                  std::uint16_t bits) {
+  std::vector<std::int64_t> all(static_cast<std::size_t>(layout.size()));
+  for (std::int64_t k = 0; k < layout.size(); ++k)
+    all[static_cast<std::size_t>(k)] = k;
+  return full_message(layout, ts, v, bits, all);
 }
 
 }  // namespace dte::sim
