@@ -99,7 +99,8 @@ concept trainer_access = optimizer_inverse<Inverse> &&
   { a.state(rank, b, s) } -> std::convertible_to<typename Inverse::state>;
 };
 
-// Carries the pipeline's data-parallel stages (exec/host.hpp; the CUDA executor next):
+// Carries the pipeline's data-parallel stages (exec/host.hpp; exec/cuda.cuh, whose device
+// stages are pipeline/device.cuh and whose sender is engine/device_sender.cuh):
 //   for_each(n, f(i, worker)), for_each_ordered(n, par(i, worker), ser(i, worker)) (ser in
 //   increasing i), exclusive_scan(in, out) -> total, and detect<Detect>(kernel, piece, ...): the
 //   detect stage's per-element work, the executor's fastest form of the shared rules.

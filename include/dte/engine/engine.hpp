@@ -22,6 +22,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -46,8 +47,26 @@ namespace dte {
 
 using MegatronToHF = layout::MegatronToHF;
 
+namespace detail {
+// The executor an engine over Transport runs on unless told otherwise: the transport's
+// default_executor (NcclTwoRound: exec::Cuda, the trainer's state and the receivers' tensors in
+// device memory), else the host executor.
+template <class T>
+struct default_executor {
+  using type = HostExecutor;
+};
+template <class T>
+requires requires {
+  typename T::default_executor;
+}
+struct default_executor<T> {
+  using type = typename T::default_executor;
+};
+}  // namespace detail
+
 template <optimizer_inverse Inverse, change_detector Detect, layout_mapping Layout = MegatronToHF,
-          transport Transport = LoopbackTwoRound, executor Exec = HostExecutor>
+          transport Transport = LoopbackTwoRound,
+          executor Exec = typename detail::default_executor<Transport>::type>
 requires transfer_plan<typename Layout::plan_type>
 class DeltaEngine
     : public detail::PublicationSchedule<DeltaEngine<Inverse, Detect, Layout, Transport, Exec>> {
@@ -57,31 +76,31 @@ class DeltaEngine
   using Schedule::version_;
 
  public:
-  using Sender = SenderRank<Inverse, Detect, typename Layout::plan_type, Exec>;
+  // SenderRank on the host executor; DeviceSenderRank on exec::Cuda (engine/device_sender.cuh).
+  using Sender =
+      typename detail::sender_rank<Inverse, Detect, typename Layout::plan_type, Exec>::type;
 
   // A trainer rank (transport.is_sender()) or a receiver rank, which passes views of its own
   // tensors (ReceiverTensors, in SglangLayout order for its TP rank).
   DeltaEngine(const layout::HfModel& hf, const layout::TrainTopology& train,
               const layout::SglangLayout& receivers, EngineConfig config, Transport& transport,
               ReceiverTensors tensors = {}, Exec exec = {})
-      : Schedule(config), hf_(&hf), recv_layout_(&receivers), transport_(&transport) {
-    if (transport.senders() != train.world() ||
-        transport.receivers() != receivers.topology().ranks()) {
-      throw invalid_argument(
-          "DeltaEngine: the transport's world has " + std::to_string(transport.senders()) +
-          " senders and " + std::to_string(transport.receivers()) +
-          " receivers, the topologies need " + std::to_string(train.world()) +
-          " trainer ranks and " + std::to_string(receivers.topology().ranks()) + " receiver ranks");
-    }
-    if (transport.is_sender()) {
-      sender_.emplace(hf, train, receivers, transport.rank(), config.publish_every > 1, exec);
-    } else {
+      : DeltaEngine(common{}, hf, train, receivers, config, transport, exec) {
+    if (!transport.is_sender()) {
       receiver_.emplace(hf, receivers, transport.rank() - transport.senders(), transport.senders(),
                         std::move(tensors));
     }
-    for (std::int64_t r = 0; r < receivers.topology().ranks(); ++r) {
-      dense_bytes_ +=
-          2 * static_cast<std::uint64_t>(receivers.live_elements(r % receivers.topology().tp));
+  }
+
+  // A receiver rank whose tensors are device memory passes their sink
+  // (engine/device_receiver.cuh: DeviceTensors); a trainer rank passes nullptr.
+  DeltaEngine(const layout::HfModel& hf, const layout::TrainTopology& train,
+              const layout::SglangLayout& receivers, EngineConfig config, Transport& transport,
+              std::shared_ptr<TensorSink> device_tensors, Exec exec = {})
+      : DeltaEngine(common{}, hf, train, receivers, config, transport, exec) {
+    if (!transport.is_sender()) {
+      receiver_.emplace(hf, receivers, transport.rank() - transport.senders(), transport.senders(),
+                        std::move(device_tensors));
     }
   }
 
@@ -114,6 +133,29 @@ class DeltaEngine
   }
 
  private:
+  // What both public constructors share: the world check, the sender, the dense-sync size.
+  struct common {};
+  DeltaEngine(common, const layout::HfModel& hf, const layout::TrainTopology& train,
+              const layout::SglangLayout& receivers, EngineConfig config, Transport& transport,
+              Exec exec)
+      : Schedule(config), hf_(&hf), recv_layout_(&receivers), transport_(&transport) {
+    if (transport.senders() != train.world() ||
+        transport.receivers() != receivers.topology().ranks()) {
+      throw invalid_argument(
+          "DeltaEngine: the transport's world has " + std::to_string(transport.senders()) +
+          " senders and " + std::to_string(transport.receivers()) +
+          " receivers, the topologies need " + std::to_string(train.world()) +
+          " trainer ranks and " + std::to_string(receivers.topology().ranks()) + " receiver ranks");
+    }
+    if (transport.is_sender()) {
+      sender_.emplace(hf, train, receivers, transport.rank(), config.publish_every > 1, exec);
+    }
+    for (std::int64_t r = 0; r < receivers.topology().ranks(); ++r) {
+      dense_bytes_ +=
+          2 * static_cast<std::uint64_t>(receivers.live_elements(r % receivers.topology().tp));
+    }
+  }
+
   void clear_masks() {
     if (sender_) sender_->clear_masks();
   }

@@ -3,6 +3,8 @@
 // is given views of the inference engine's own 16-bit tensors (in SglangLayout order), the
 // version they hold, and its part of the verified-sync digest, kept per canonical tensor and
 // updated from the values it overwrites (O(changed)). dte allocates nothing model-sized for it.
+// Tensors in device memory are reached through a TensorSink (engine/device_receiver.cuh): the
+// receiver checks a publication exactly as for host tensors, then hands the sink its writes.
 //
 // apply() is transactional: every message of the publication is decoded and checked first
 // (framing, the commit rules below, tensor ids, index ranges); only then are values scattered in
@@ -28,6 +30,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -73,21 +76,43 @@ struct ApplyResult {
 // elements), owned by the caller.
 using ReceiverTensors = std::vector<std::span<std::uint16_t>>;
 
+// Every write of one committed publication, in message order.
+struct WriteBatch {
+  std::vector<std::uint32_t> tensor, index;
+  std::vector<std::uint16_t> bits;
+  bool full = false;  // a full publication: the digest is rebuilt from these writes alone
+
+  void clear() noexcept {
+    tensor.clear();
+    index.clear();
+    bits.clear();
+    full = false;
+  }
+  void push(std::uint32_t t, std::uint32_t i, std::uint16_t b) {
+    tensor.push_back(t);
+    index.push_back(i);
+    bits.push_back(b);
+  }
+};
+
+// Receiver tensors the host cannot write (device memory). commit() writes a batch the receiver
+// has checked in full and moves the sink's digest (per canonical tensor, of the tensors'
+// contents) by what it overwrote and wrote; digest() reads it.
+class TensorSink {
+ public:
+  virtual ~TensorSink() = default;
+  virtual void commit(const WriteBatch& batch) = 0;
+  [[nodiscard]] virtual std::vector<Digest> digest() const = 0;
+};
+
 class Receiver {
  public:
   // `senders`: the trainer ranks of the world (ids 0 .. senders-1), every one of which sends
   // this receiver a message in every publication.
   Receiver(const layout::HfModel& hf, const layout::SglangLayout& layout, std::int64_t rank,
            std::int64_t senders, ReceiverTensors tensors)
-      : hf_(&hf),
-        layout_(&layout),
-        rank_(rank),
-        ts_(rank % layout.topology().tp),
-        senders_(senders),
-        tensors_(std::move(tensors)) {
-    if (senders < 1) {
-      throw invalid_argument("Receiver " + std::to_string(rank) + ": needs at least one sender");
-    }
+      : Receiver(hf, layout, rank, senders) {
+    tensors_ = std::move(tensors);
     if (static_cast<std::int64_t>(tensors_.size()) != layout.size()) {
       throw invalid_argument("Receiver " + std::to_string(rank) + ": given " +
                              std::to_string(tensors_.size()) + " tensors, the layout has " +
@@ -103,22 +128,44 @@ class Receiver {
                                " elements, the layout says " + std::to_string(n) +
                                " (receiver TP rank " + std::to_string(ts_) + ")");
       }
-      live_end_.push_back(static_cast<std::uint64_t>(layout.live_end(ts_, k)));
     }
-    digest_.assign(static_cast<std::size_t>(hf.size()), 0);
+  }
+
+  // Tensors behind a sink (device memory): the sink holds them and their digest.
+  Receiver(const layout::HfModel& hf, const layout::SglangLayout& layout, std::int64_t rank,
+           std::int64_t senders, std::shared_ptr<TensorSink> sink)
+      : Receiver(hf, layout, rank, senders) {
+    if (!sink) {
+      throw invalid_argument("Receiver " + std::to_string(rank) +
+                             ": the tensor sink is null; pass the device tensors' sink");
+    }
+    sink_ = std::move(sink);
+    digest_ = sink_->digest();
+    if (digest_.size() != static_cast<std::size_t>(hf.size())) {
+      throw invalid_argument("Receiver " + std::to_string(rank) + ": the tensor sink keeps " +
+                             std::to_string(digest_.size()) + " digests, the model has " +
+                             std::to_string(hf.size()) + " canonical tensors");
+    }
   }
 
   [[nodiscard]] std::int64_t rank() const noexcept { return rank_; }
   [[nodiscard]] Version version() const noexcept { return version_; }
+  // Host tensors only (a sink's tensors are device memory: read them there).
   [[nodiscard]] std::span<const std::uint16_t> tensor(std::int64_t id) const {
+    if (sink_) {
+      throw invalid_argument("Receiver " + std::to_string(rank_) +
+                             ": its tensors are behind a sink (device memory); read them there");
+    }
     return tensors_[static_cast<std::size_t>(id)];
   }
+  [[nodiscard]] bool has_sink() const noexcept { return sink_ != nullptr; }
   // Per canonical tensor: the sum of h(canonical, bits) over this rank's copies of it.
   [[nodiscard]] const std::vector<Digest>& digest() const noexcept { return digest_; }
   // Memory this receiver holds beyond the caller's tensors.
   [[nodiscard]] std::size_t held_bytes() const noexcept {
     return sizeof(*this) + digest_.capacity() * sizeof(Digest) +
-           live_end_.capacity() * sizeof(std::uint64_t) + tensors_.capacity() * sizeof(tensors_[0]);
+           (live_end_.capacity() + numel_.capacity()) * sizeof(std::uint64_t) +
+           tensors_.capacity() * sizeof(tensors_[0]);
   }
 
   // Applies one publication (or repair) of `version`: all messages addressed to this rank, in
@@ -217,6 +264,28 @@ class Receiver {
     // The digest is the digest of the tensors' contents: a full publication (checked above to
     // write every live element exactly once) rebuilds it from the values written; every other
     // write updates it, subtracting the term of the value it overwrites.
+    if (sink_) {
+      batch_.clear();
+      batch_.full = full;
+      for (const auto& [src, m] : accepted) {
+        m.for_each_entry([&](const DeltaEntry& e) { batch_.push(e.tensor, e.index, e.bits); });
+        m.for_each_run([&](std::uint32_t tensor, std::uint32_t index, std::uint32_t len,
+                           const std::byte* bits) {
+          for (std::uint32_t i = 0; i < len; ++i) {
+            std::uint16_t b;
+            std::memcpy(&b, bits + 2 * static_cast<std::size_t>(i), 2);
+            batch_.push(tensor, index + i, b);
+          }
+        });
+        res.written += m.entry_count() + m.run_elements();
+      }
+      sink_->commit(batch_);
+      digest_ = sink_->digest();
+      batch_ = WriteBatch{};  // the staging is the publication's, not held between them
+      version_ = version;
+      res.outcome = ApplyOutcome::committed;
+      return res;
+    }
     if (full) std::fill(digest_.begin(), digest_.end(), Digest{0});
     for (const auto& [src, m] : accepted) {
       m.for_each_entry([&](const DeltaEntry& e) { write(e.tensor, e.index, e.bits, full); });
@@ -236,6 +305,24 @@ class Receiver {
   }
 
  private:
+  // What both public constructors share: the layout's sizes, the checks on the arguments.
+  Receiver(const layout::HfModel& hf, const layout::SglangLayout& layout, std::int64_t rank,
+           std::int64_t senders)
+      : hf_(&hf),
+        layout_(&layout),
+        rank_(rank),
+        ts_(rank % layout.topology().tp),
+        senders_(senders) {
+    if (senders < 1) {
+      throw invalid_argument("Receiver " + std::to_string(rank) + ": needs at least one sender");
+    }
+    for (std::int64_t k = 0; k < layout.size(); ++k) {
+      numel_.push_back(static_cast<std::uint64_t>(layout[k].numel));
+      live_end_.push_back(static_cast<std::uint64_t>(layout.live_end(ts_, k)));
+    }
+    digest_.assign(static_cast<std::size_t>(hf.size()), 0);
+  }
+
   static std::string kind_name(MessageKind k) {
     switch (k) {
       case MessageKind::delta:
@@ -294,23 +381,22 @@ class Receiver {
       refuse(who + ": a no-op version carries elements", src, version);
     }
     m.for_each_group([&](const wire::Group& g) {
-      if (g.tensor >= tensors_.size()) {
+      if (g.tensor >= numel_.size()) {
         throw bounds_error(who + ": tensor id " + std::to_string(g.tensor) + " does not exist (" +
-                               std::to_string(tensors_.size()) + " tensors)",
+                               std::to_string(numel_.size()) + " tensors)",
                            context(src, version));
       }
-      if (g.last >= tensors_[g.tensor].size()) {
+      if (g.last >= numel_[g.tensor]) {
         throw bounds_error(who + ": index " + std::to_string(g.last) + " is outside " +
-                               layout_->name(g.tensor) + " (" +
-                               std::to_string(tensors_[g.tensor].size()) + " elements)",
+                               layout_->name(g.tensor) + " (" + std::to_string(numel_[g.tensor]) +
+                               " elements)",
                            context(src, version, layout_->name(g.tensor)));
       }
       if (g.last >= live_end_[g.tensor]) {
         throw bounds_error(
             who + ": index " + std::to_string(g.last) + " of " + layout_->name(g.tensor) +
                 " lies in the vocabulary padding (elements " + std::to_string(live_end_[g.tensor]) +
-                " to " + std::to_string(tensors_[g.tensor].size()) +
-                "), which no message may write",
+                " to " + std::to_string(numel_[g.tensor]) + "), which no message may write",
             context(src, version, layout_->name(g.tensor)));
       }
     });
@@ -379,7 +465,10 @@ class Receiver {
   std::int64_t ts_;
   std::int64_t senders_;
   Version version_ = no_version;
-  ReceiverTensors tensors_;
+  ReceiverTensors tensors_;              // host tensors, or
+  std::shared_ptr<TensorSink> sink_;     // device tensors
+  WriteBatch batch_;                     // a sink's writes, during apply()
+  std::vector<std::uint64_t> numel_;     // per tensor
   std::vector<std::uint64_t> live_end_;  // per tensor: elements beyond it are padding
   std::vector<Digest> digest_;
 };

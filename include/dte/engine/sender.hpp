@@ -37,6 +37,59 @@
 
 namespace dte {
 
+namespace detail {
+
+// One run's current values (theta: its buffer, host memory) to one copy, as dense runs of at
+// most `chunk` elements.
+template <change_detector Detect>
+void emit_run(wire::MessageWriter& w, std::span<const float> theta, const pipeline::Run& run,
+              const pipeline::RunTarget& t, std::int64_t chunk, std::vector<std::uint16_t>& bits) {
+  for (std::int64_t at = 0; at < run.length; at += chunk) {
+    const std::int64_t n = std::min(chunk, run.length - at);
+    bits.resize(static_cast<std::size_t>(n));
+    const float* x = theta.data() + run.shard_begin + at;
+    for (std::int64_t j = 0; j < n; ++j)
+      bits[static_cast<std::size_t>(j)] = Detect::store(x[j]);
+    w.add_run(t.tensor, t.index + static_cast<std::uint32_t>(at), bits);
+  }
+}
+
+// Repair messages, one per receiver (writers[d]): every element of the bad canonical tensors to
+// every receiver holding it, and everything to the receivers that must resync; current values
+// (theta_of(buffer): host memory), as dense runs. Kind repair, or full for a resyncing
+// receiver; an empty repair is an empty payload.
+template <change_detector Detect, class ThetaOf>
+std::vector<Payload> repair_messages(const pipeline::RunTable& table,
+                                     std::vector<wire::MessageWriter>& writers, ThetaOf&& theta_of,
+                                     const std::vector<bool>& bad, const std::vector<bool>& resync,
+                                     Version version, std::int64_t chunk) {
+  for (wire::MessageWriter& w : writers)
+    w.begin();
+  std::vector<std::uint16_t> bits;
+  for (layout::BufferKind b : {layout::BufferKind::dense, layout::BufferKind::expert}) {
+    if (table.runs(b).empty()) continue;
+    const std::span<const float> theta = theta_of(b);
+    for (const pipeline::Run& run : table.runs(b)) {
+      if (!run.sender || run.tensor < 0) continue;
+      const bool tensor_bad = bad[static_cast<std::size_t>(run.tensor)];
+      for (const pipeline::RunTarget& t : table.targets(run)) {
+        if (tensor_bad || resync[t.rank])
+          emit_run<Detect>(writers[t.rank], theta, run, t, chunk, bits);
+      }
+    }
+  }
+  std::vector<Payload> out;
+  for (std::size_t d = 0; d < writers.size(); ++d) {
+    wire::MessageWriter& w = writers[d];
+    w.finish(resync[d] ? MessageKind::full : MessageKind::repair, version, no_version);
+    const bool empty = w.entries() == 0 && w.run_elements() == 0 && !resync[d];
+    out.push_back(empty ? Payload{} : w.spans());
+  }
+  return out;
+}
+
+}  // namespace detail
+
 struct ScanResult {
   std::vector<Digest> digest;  // per canonical tensor, this rank's part (not for mark)
   std::uint64_t scanned = 0, changed = 0, guard = 0, entries = 0;
@@ -321,32 +374,13 @@ class SenderRank {
     }
   }
 
-  // Repair messages: every element of the bad canonical tensors to every receiver holding it,
-  // and everything to the receivers that must resync; current values, as dense runs. Kind
-  // repair, or full for a resyncing receiver; an empty repair is an empty payload.
+  // Repair messages (detail::repair_messages) from the access's current weights.
   template <class Access>
   std::vector<Payload> repair(const Access& access, const std::vector<bool>& bad,
                               const std::vector<bool>& resync, Version version) {
-    begin_messages();
-    std::vector<std::uint16_t> bits;
-    for (layout::BufferKind b : buffers) {
-      const std::span<const float> theta = access.theta(rank_, b);
-      for (const pipeline::Run& run : table_.runs(b)) {
-        if (!run.sender || run.tensor < 0) continue;
-        const bool tensor_bad = bad[static_cast<std::size_t>(run.tensor)];
-        for (const pipeline::RunTarget& t : table_.targets(run)) {
-          if (tensor_bad || resync[t.rank]) emit_run(theta, run, t, bits);
-        }
-      }
-    }
-    std::vector<Payload> out;
-    for (std::size_t d = 0; d < writers_.size(); ++d) {
-      wire::MessageWriter& w = writers_[d];
-      w.finish(resync[d] ? MessageKind::full : MessageKind::repair, version, no_version);
-      const bool empty = w.entries() == 0 && w.run_elements() == 0 && !resync[d];
-      out.push_back(empty ? Payload{} : w.spans());
-    }
-    return out;
+    return detail::repair_messages<Detect>(
+        table_, writers_, [&](layout::BufferKind b) { return access.theta(rank_, b); }, bad, resync,
+        version, tile);
   }
 
  private:
@@ -447,19 +481,6 @@ class SenderRank {
     }
   }
 
-  // One run's current values to one copy, as dense runs of at most a tile.
-  void emit_run(std::span<const float> theta, const pipeline::Run& run,
-                const pipeline::RunTarget& t, std::vector<std::uint16_t>& bits) {
-    for (std::int64_t at = 0; at < run.length; at += tile) {
-      const std::int64_t n = std::min(tile, run.length - at);
-      bits.resize(static_cast<std::size_t>(n));
-      const float* x = theta.data() + run.shard_begin + at;
-      for (std::int64_t j = 0; j < n; ++j)
-        bits[static_cast<std::size_t>(j)] = Detect::store(x[j]);
-      writers_[t.rank].add_run(t.tensor, t.index + static_cast<std::uint32_t>(at), bits);
-    }
-  }
-
   // The dense part of a delta: every element of each dense (receiver, tensor) pair.
   template <class Access>
   void emit_dense_runs(const Access& access) {
@@ -469,7 +490,9 @@ class SenderRank {
       const std::span<const float> theta = access.theta(rank_, b);
       for (const pipeline::Run& run : table_.runs(b)) {
         for (const pipeline::RunTarget& t : table_.targets(run)) {
-          if (dense_[cell(t.rank, t.tensor)]) emit_run(theta, run, t, bits);
+          if (dense_[cell(t.rank, t.tensor)]) {
+            detail::emit_run<Detect>(writers_[t.rank], theta, run, t, tile, bits);
+          }
         }
       }
     }
@@ -490,5 +513,14 @@ class SenderRank {
   std::vector<Tile> scratch_;  // one per executor thread
   std::int32_t invalid_segment_ = -1;
 };
+
+namespace detail {
+// The sender an engine over executor Exec runs: SenderRank on the host; the CUDA backend
+// specialises it for exec::Cuda (engine/device_sender.cuh).
+template <optimizer_inverse Inverse, change_detector Detect, transfer_plan Plan, executor Exec>
+struct sender_rank {
+  using type = SenderRank<Inverse, Detect, Plan, Exec>;
+};
+}  // namespace detail
 
 }  // namespace dte

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// The CUDA backend, first piece: status checking (dte::cuda_error, DTE_CUDA_TRY), device
-// discovery, and the per-element passes of the pipeline on the device: classify (one Verdict per
-// element) and audit (the counts of dte::audit_reconstruction). Both run the same
+// The CUDA backend: status checking (dte::cuda_error, DTE_CUDA_TRY), device discovery, the CUDA
+// executor (dte::exec::Cuda: a stream and a stream-ordered allocator; the pipeline stages on it
+// are in pipeline/device.cuh), and the per-element passes on the device: classify (one Verdict
+// per element) and audit (the counts of dte::audit_reconstruction). All run the same
 // DTE_HOST_DEVICE functors as the host backend, so a rule tested on the CPU is the rule the GPU
 // applies.
 //
@@ -27,9 +28,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <source_location>
+#include <span>
 #include <string>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "dte/audit.hpp"
 #include "dte/concepts.hpp"
@@ -302,3 +305,154 @@ AuditCounts audit(const Kernel& k, const float* d_theta_prev, cudaStream_t strea
 }
 
 }  // namespace dte::cuda
+
+namespace dte::exec {
+
+// Where the CUDA executor takes temporary device memory from. The default is the stream-ordered
+// pool (cudaMallocAsync / cudaFreeAsync on the executor's stream); a trainer with its own caching
+// allocator (PyTorch's) passes functions that allocate from it instead.
+struct CudaAllocator {
+  void* (*allocate)(std::size_t bytes, cudaStream_t stream, void* context) = nullptr;
+  void (*deallocate)(void* p, std::size_t bytes, cudaStream_t stream, void* context) = nullptr;
+  void* context = nullptr;
+};
+
+// The CUDA executor: the pipeline's device stages (pipeline/device.cuh) run on its stream, in
+// order, and take their scratch from its allocator. The executor concept's host primitives
+// (for_each, for_each_ordered, exclusive_scan) run on the calling thread: on this backend they
+// carry only per-tensor and per-receiver bookkeeping, never per-element work.
+class Cuda {
+ public:
+  using executor_tag = void;
+
+  // The legacy default stream and the stream-ordered pool.
+  Cuda() noexcept = default;
+  explicit Cuda(cudaStream_t stream, CudaAllocator allocator = {}) noexcept
+      : stream_(stream), allocator_(allocator) {}
+
+  [[nodiscard]] cudaStream_t stream() const noexcept { return stream_; }
+  [[nodiscard]] int threads() const noexcept { return 1; }
+
+  template <class F>
+  void for_each(std::size_t n, F&& f) const {
+    for (std::size_t i = 0; i < n; ++i)
+      f(i, 0);
+  }
+  template <class Par, class Ser>
+  void for_each_ordered(std::size_t n, Par&& par, Ser&& ser) const {
+    for (std::size_t i = 0; i < n; ++i) {
+      par(i, 0);
+      ser(i, 0);
+    }
+  }
+  std::uint64_t exclusive_scan(std::span<const std::uint64_t> in,
+                               std::span<std::uint64_t> out) const noexcept {
+    std::uint64_t sum = 0;
+    for (std::size_t i = 0; i < in.size(); ++i) {
+      out[i] = sum;
+      sum += in[i];
+    }
+    return sum;
+  }
+
+  // Temporary device memory, ordered on the stream (usable by work enqueued after this call).
+  [[nodiscard]] void* allocate(std::size_t bytes) const {
+    if (bytes == 0) return nullptr;
+    if (allocator_.allocate != nullptr) {
+      void* p = allocator_.allocate(bytes, stream_, allocator_.context);
+      if (p == nullptr) {
+        throw error("dte::exec::Cuda: the caller's allocator returned null for " +
+                    std::to_string(bytes) + " bytes");
+      }
+      return p;
+    }
+    void* p = nullptr;
+    DTE_CUDA_TRY(cudaMallocAsync(&p, bytes, stream_));
+    return p;
+  }
+  void deallocate(void* p, std::size_t bytes) const noexcept {
+    if (p == nullptr) return;
+    if (allocator_.deallocate != nullptr) {
+      allocator_.deallocate(p, bytes, stream_, allocator_.context);
+    } else {
+      (void)cudaFreeAsync(p, stream_);
+    }
+  }
+  void synchronize() const { DTE_CUDA_TRY(cudaStreamSynchronize(stream_)); }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+  CudaAllocator allocator_{};
+};
+
+static_assert(executor<Cuda>);
+
+// n elements of T in device memory from an executor's allocator, freed on its stream (also when
+// an exception unwinds). Move-only.
+template <class T>
+class DeviceArray {
+ public:
+  DeviceArray() = default;
+  DeviceArray(const Cuda& exec, std::size_t n)
+      : exec_(exec), n_(n), ptr_(static_cast<T*>(exec.allocate(n * sizeof(T)))) {}
+  DeviceArray(DeviceArray&& o) noexcept
+      : exec_(o.exec_), n_(std::exchange(o.n_, 0)), ptr_(std::exchange(o.ptr_, nullptr)) {}
+  DeviceArray& operator=(DeviceArray&& o) noexcept {
+    if (this != &o) {
+      reset();
+      exec_ = o.exec_;
+      n_ = std::exchange(o.n_, 0);
+      ptr_ = std::exchange(o.ptr_, nullptr);
+    }
+    return *this;
+  }
+  ~DeviceArray() { reset(); }
+
+  // A device copy of host data (enqueued on the stream; `host` must stay alive until the stream
+  // passes the copy, or be pinned: the copy from pageable memory completes before it returns).
+  static DeviceArray copy_of(const Cuda& exec, std::span<const T> host) {
+    DeviceArray a(exec, host.size());
+    if (!host.empty()) {
+      DTE_CUDA_TRY(cudaMemcpyAsync(a.ptr_, host.data(), host.size_bytes(), cudaMemcpyHostToDevice,
+                                   exec.stream()));
+    }
+    return a;
+  }
+  // Zero-filled.
+  static DeviceArray zeros(const Cuda& exec, std::size_t n) {
+    DeviceArray a(exec, n);
+    if (n != 0) DTE_CUDA_TRY(cudaMemsetAsync(a.ptr_, 0, n * sizeof(T), exec.stream()));
+    return a;
+  }
+
+  [[nodiscard]] T* data() const noexcept { return ptr_; }
+  [[nodiscard]] std::size_t size() const noexcept { return n_; }
+  [[nodiscard]] std::size_t bytes() const noexcept { return n_ * sizeof(T); }
+
+  // Its contents, copied to the host (synchronises the stream).
+  [[nodiscard]] std::vector<T> to_host() const {
+    std::vector<T> out(n_);
+    if (n_ != 0) {
+      DTE_CUDA_TRY(
+          cudaMemcpyAsync(out.data(), ptr_, bytes(), cudaMemcpyDeviceToHost, exec_.stream()));
+      exec_.synchronize();
+    }
+    return out;
+  }
+
+ private:
+  void reset() noexcept {
+    if (ptr_ != nullptr) exec_.deallocate(ptr_, bytes());
+    ptr_ = nullptr;
+    n_ = 0;
+  }
+  Cuda exec_{};
+  std::size_t n_ = 0;
+  T* ptr_ = nullptr;
+};
+
+}  // namespace dte::exec
+
+namespace dte {
+using CudaExecutor = exec::Cuda;
+}  // namespace dte

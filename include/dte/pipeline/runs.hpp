@@ -82,6 +82,8 @@ class RunTable {
   [[nodiscard]] std::span<const RunTarget> targets(const Run& r) const noexcept {
     return {targets_.data() + r.first_target, r.target_count};
   }
+  // Every target of every run (Run::first_target indexes it): what the device tables copy.
+  [[nodiscard]] std::span<const RunTarget> all_targets() const noexcept { return targets_; }
   [[nodiscard]] std::size_t bytes() const noexcept {
     return (runs_[0].capacity() + runs_[1].capacity()) * sizeof(Run) +
            targets_.capacity() * sizeof(RunTarget);

@@ -1,0 +1,636 @@
+// SPDX-License-Identifier: Apache-2.0
+// The pipeline's stages on the CUDA executor (exec::Cuda), over one trainer rank's shard of one
+// buffer in device memory, with the host stages' rules and results (tests/cuda/
+// test_cuda_pipeline.cu compares them bit for bit):
+//   1. detect  (one kernel over the WorkTable's items, one block per item): theta, m, v read
+//      once; the inverse's valid(i), reconstruction and Detect::classify, the digest term per
+//      sent element, the K-step dirty mask, one send bit per element (warp ballots, atomics
+//      only where two items share a 64-bit word), and the counts: flagged, guard, the first
+//      refused item, the digest per canonical tensor, the entries per receiver.
+//   -- the publication's one host synchronisation: the counts come back --
+//   2. compact (CUB DeviceSelect::Flagged over a counting iterator, the send bits as flags):
+//      the changed shard offsets in increasing order (64-bit: shards above 2^31 elements).
+//   3. route   (one thread per changed element: binary search of its item, then its run's
+//      receiver targets; the entries' positions by CUB DeviceScan over the target counts).
+//   4. bucket  (CUB DeviceRadixSort of the entries by receiver, stable, over the receiver bits
+//      only): one contiguous bucket per receiver, in shard order inside it.
+//   5. apply   (receiver side, apply_entries): a check kernel refuses an entry outside the
+//      receiver's live elements before anything is written; then scatter into the caller's live
+//      BF16 tensors and update the receiver's digest by what is overwritten and written.
+// Everything but the launches is host code tested on the host: the tables
+// (pipeline/device_tables.hpp), the bucket offsets (the executor's exclusive_scan).
+#pragma once
+
+#if !defined(__CUDACC__)
+#error "dte/pipeline/device.cuh is the CUDA pipeline: compile it with nvcc and link dte::cuda"
+#endif
+
+#include <cuda_runtime.h>
+
+#include <thrust/iterator/counting_iterator.h>
+#include <thrust/iterator/transform_iterator.h>
+#include <cub/device/device_radix_sort.cuh>
+#include <cub/device/device_scan.cuh>
+#include <cub/device/device_select.cuh>
+
+#include <array>
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "dte/concepts.hpp"
+#include "dte/engine/digest.hpp"
+#include "dte/exec/cuda.cuh"
+#include "dte/layout/hf.hpp"
+#include "dte/layout/plan.hpp"
+#include "dte/layout/sglang.hpp"
+#include "dte/pipeline/detect.hpp"
+#include "dte/pipeline/device_tables.hpp"
+#include "dte/pipeline/runs.hpp"
+
+namespace dte::pipeline::device {
+
+using exec::DeviceArray;
+
+// Elements per work item (one block's piece of a run): 16 passes of a 256-thread block.
+inline constexpr std::uint32_t item_elements = 4096;
+inline constexpr int block_threads = 256;
+
+// The counts of the detect stage, in device memory, read back at the one synchronisation.
+struct DetectTotals {
+  unsigned long long flagged;             // elements to send
+  unsigned long long guard;               // of the detected ones, by the guard band only
+  unsigned long long entries;             // routed entries (flagged elements times their copies)
+  unsigned long long scanned;             // sent elements looked at (digested)
+  unsigned long long first_invalid_item;  // ULLONG_MAX: none
+};
+
+// The device copy of one buffer's tables: work items, runs, receiver targets.
+struct DeviceTables {
+  DeviceArray<WorkItem> items;
+  DeviceArray<Run> runs;
+  DeviceArray<RunTarget> targets;
+  std::uint32_t n_items = 0;
+  std::int64_t shard_size = 0;
+
+  DeviceTables() = default;
+  DeviceTables(const exec::Cuda& e, const WorkTable& work, std::span<const Run> host_runs,
+               std::span<const RunTarget> all_targets, std::int64_t shard)
+      : items(DeviceArray<WorkItem>::copy_of(e, work.items())),
+        runs(DeviceArray<Run>::copy_of(e, host_runs)),
+        targets(DeviceArray<RunTarget>::copy_of(e, all_targets)),
+        n_items(static_cast<std::uint32_t>(work.items().size())),
+        shard_size(shard) {
+    if (work.items().size() > 0xFFFFFFFFull) {
+      throw unsupported("dte::pipeline::device: a shard of more than 2^32 work items (" +
+                        std::to_string(work.items().size()) + ")");
+    }
+  }
+};
+
+namespace detail {
+
+// Bit o of a bitmap, for CUB's flag iterator.
+struct BitOf {
+  const std::uint64_t* words;
+  __host__ __device__ bool operator()(std::int64_t o) const {
+    return (words[o >> 6] >> (o & 63)) & 1u;
+  }
+};
+
+// ORs (clears) a warp's 32 ballot bits for shard offsets [o, o + 32) in a bitmap, any alignment
+// (spread32, tested on the host): atomics, since a neighbouring item's warp may share a word.
+__device__ inline void or_bits(std::uint64_t* words, std::int64_t o, unsigned bits) {
+  if (bits == 0) return;
+  const WordSpread s = spread32(o, bits);
+  atomicOr(reinterpret_cast<unsigned long long*>(words + s.word), s.low);
+  if (s.high != 0) atomicOr(reinterpret_cast<unsigned long long*>(words + s.word + 1), s.high);
+}
+__device__ inline void clear_bits(std::uint64_t* words, std::int64_t o, unsigned bits) {
+  if (bits == 0) return;
+  const WordSpread s = spread32(o, bits);
+  atomicAnd(reinterpret_cast<unsigned long long*>(words + s.word), ~s.low);
+  if (s.high != 0) atomicAnd(reinterpret_cast<unsigned long long*>(words + s.word + 1), ~s.high);
+}
+
+// Stage 1. kernels: one per plan segment (null in mode all, which reads theta). A block takes
+// items blockIdx.x, blockIdx.x + gridDim.x, ...; its warps take 32 consecutive elements at a time
+// (the loop bounds are uniform over the block, so every ballot has the whole warp).
+template <class Detect, class Kernel>
+__global__ void __launch_bounds__(block_threads)
+    detect_items(const WorkItem* items, std::uint32_t n_items, const Run* runs,
+                 const RunTarget* targets, const Kernel* kernels, const float* theta, ScanMode mode,
+                 std::uint64_t* mask, std::uint64_t* send, DetectTotals* totals, Digest* digest,
+                 unsigned long long* per_receiver) {
+  const unsigned lane = threadIdx.x & 31u;
+  for (std::uint32_t it = blockIdx.x; it < n_items; it += gridDim.x) {
+    const WorkItem item = items[it];
+    const bool sent = item.canonical >= 0;
+    const bool digested = sent && mode != ScanMode::mark;
+    unsigned flagged = 0, guard = 0, sum = 0;
+    bool invalid = false;
+    for (std::uint32_t base = 0; base < item.length; base += block_threads) {
+      const std::uint32_t j = base + threadIdx.x;
+      const bool here = j < item.length;
+      const std::int64_t o = item.shard_begin + j;
+      bool hit = false;
+      float now = 0;
+      if (here) {
+        if (mode == ScanMode::all) {
+          now = theta[o];
+          hit = sent;
+        } else {
+          const Kernel& k = kernels[item.segment];
+          const auto i = static_cast<std::size_t>(item.first + j);
+          if (!k.valid(i)) {
+            invalid = true;
+          } else if (sent) {
+            now = k.current(i);
+            const Verdict v = Detect::classify(now, k(i));
+            hit = v != Verdict::unchanged;
+            guard += v == Verdict::guard;
+          }
+        }
+      }
+      // The warp's 32 elements start at shard offset o of lane 0.
+      const std::int64_t o0 = item.shard_begin + base + (threadIdx.x & ~31u);
+      const unsigned hits = __ballot_sync(0xFFFFFFFFu, hit);
+      bool go = hit;
+      if (mask != nullptr && mode != ScanMode::all) {
+        if (lane == 0) or_bits(mask, o0, hits);
+        if (mode == ScanMode::mask) {
+          __syncwarp();
+          // Bits of other warps' elements may change meanwhile; ours do not.
+          const bool marked = here && sent && ((mask[o >> 6] >> (o & 63)) & 1u);
+          go = marked;
+          const unsigned clear = __ballot_sync(0xFFFFFFFFu, marked);
+          if (lane == 0) clear_bits(mask, o0, clear);
+        }
+      }
+      if (mode == ScanMode::mark) continue;
+      const unsigned out = __ballot_sync(0xFFFFFFFFu, go);
+      if (lane == 0) or_bits(send, o0, out);
+      flagged += go;
+      if (here && digested && (mode == ScanMode::all || !invalid)) {
+        sum += element_digest(item.canonical + j, Detect::store(now));
+      }
+    }
+    // The warp's sums, then one atomic per warp and counter.
+    flagged = __reduce_add_sync(0xFFFFFFFFu, flagged);
+    guard = __reduce_add_sync(0xFFFFFFFFu, guard);
+    sum = __reduce_add_sync(0xFFFFFFFFu, sum);
+    const unsigned any_invalid = __ballot_sync(0xFFFFFFFFu, invalid);
+    if (lane == 0) {
+      if (any_invalid != 0)
+        atomicMin(&totals->first_invalid_item, static_cast<unsigned long long>(it));
+      if (flagged != 0) {
+        atomicAdd(&totals->flagged, static_cast<unsigned long long>(flagged));
+        const Run& run = runs[item.run];
+        atomicAdd(&totals->entries, static_cast<unsigned long long>(flagged) * run.target_count);
+        for (std::uint32_t t = 0; t < run.target_count; ++t)
+          atomicAdd(&per_receiver[targets[run.first_target + t].rank],
+                    static_cast<unsigned long long>(flagged));
+      }
+      if (guard != 0) atomicAdd(&totals->guard, static_cast<unsigned long long>(guard));
+      if (digested) {
+        if (sum != 0) atomicAdd(&digest[item.tensor], sum);
+        // The scanned count once per item (warp 0), not once per warp.
+        if (threadIdx.x == 0)
+          atomicAdd(&totals->scanned, static_cast<unsigned long long>(item.length));
+      }
+    }
+  }
+}
+
+// Stage 3a: the receiver copies of every changed element.
+__global__ void __launch_bounds__(block_threads)
+    count_targets(const std::int64_t* offsets, std::int64_t n, const WorkItem* items,
+                  std::uint32_t n_items, const Run* runs, std::uint64_t* counts) {
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t k = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < n;
+       k += stride) {
+    const WorkItem& item = items[find_item(items, n_items, offsets[k])];
+    counts[k] = runs[item.run].target_count;
+  }
+}
+
+// Stage 3b: entry positions[k] + t for target t of changed element k, with its receiver as the
+// sort key and its position as the value that the bucket stage permutes.
+template <class Detect>
+__global__ void __launch_bounds__(block_threads)
+    route_entries(const std::int64_t* offsets, std::int64_t n, const WorkItem* items,
+                  std::uint32_t n_items, const Run* runs, const RunTarget* targets,
+                  const float* theta, const std::uint64_t* positions, std::uint32_t* rank,
+                  std::uint64_t* order, std::uint32_t* tensor, std::uint32_t* index,
+                  std::uint16_t* bits) {
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t k = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < n;
+       k += stride) {
+    const std::int64_t o = offsets[k];
+    const Run& run = runs[items[find_item(items, n_items, o)].run];
+    const auto delta = static_cast<std::uint32_t>(o - run.shard_begin);
+    const std::uint16_t b = Detect::store(theta[o]);
+    std::uint64_t e = positions[k];
+    for (std::uint32_t t = 0; t < run.target_count; ++t, ++e) {
+      const RunTarget& target = targets[run.first_target + t];
+      rank[e] = target.rank;
+      order[e] = e;
+      tensor[e] = target.tensor;
+      index[e] = target.index + delta;
+      bits[e] = b;
+    }
+  }
+}
+
+// Stage 4b: the entries in bucket order.
+__global__ void __launch_bounds__(block_threads)
+    gather_entries(const std::uint64_t* order, std::uint64_t n, const std::uint32_t* tensor,
+                   const std::uint32_t* index, const std::uint16_t* bits, std::uint32_t* out_tensor,
+                   std::uint32_t* out_index, std::uint16_t* out_bits) {
+  const std::uint64_t stride = static_cast<std::uint64_t>(gridDim.x) * blockDim.x;
+  for (std::uint64_t e = static_cast<std::uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
+       e += stride) {
+    const std::uint64_t src = order[e];
+    out_tensor[e] = tensor[src];
+    out_index[e] = index[src];
+    out_bits[e] = bits[src];
+  }
+}
+
+}  // namespace detail
+
+// What stage 1 found, on the host after the one synchronisation.
+struct DetectResult {
+  std::uint64_t flagged = 0, guard = 0, entries = 0, scanned = 0;
+  std::int64_t invalid_segment = -1;        // the plan segment of the first refused element, or -1
+  std::vector<Digest> digest;               // per canonical tensor
+  std::vector<std::uint64_t> per_receiver;  // routed entries per receiver
+};
+
+// Stage 1 over a buffer. kernels: one per plan segment, pointing at device memory (bind with
+// Inverse::bind_unchecked on the device spans: it reads no element); theta: the buffer's device
+// weights (read in mode all). mask: K > 1, one bit per shard element (else null). send: zeroed
+// here, one bit per shard element. Synchronises the stream once (the counts).
+template <change_detector Detect, class Kernel>
+DetectResult detect(const exec::Cuda& e, const DeviceTables& t, const Kernel* kernels,
+                    const float* theta, ScanMode mode, std::uint64_t* mask, std::uint64_t* send,
+                    std::size_t canonical_tensors, std::size_t receivers) {
+  const std::size_t words = (static_cast<std::size_t>(t.shard_size) + 63) / 64;
+  DetectResult r;
+  r.digest.assign(canonical_tensors, 0);
+  r.per_receiver.assign(receivers, 0);
+  if (t.n_items == 0) return r;
+  DTE_CUDA_TRY(cudaMemsetAsync(send, 0, words * 8, e.stream()));
+  auto totals = DeviceArray<DetectTotals>::zeros(e, 1);
+  DTE_CUDA_TRY(cudaMemsetAsync(&totals.data()->first_invalid_item, 0xFF, 8, e.stream()));
+  auto digest = DeviceArray<Digest>::zeros(e, canonical_tensors);
+  auto per_receiver = DeviceArray<unsigned long long>::zeros(e, receivers);
+  const unsigned grid = dte::cuda::detail::grid_blocks(std::uint64_t{t.n_items} * block_threads);
+  detail::detect_items<Detect, Kernel><<<grid, block_threads, 0, e.stream()>>>(
+      t.items.data(), t.n_items, t.runs.data(), t.targets.data(), kernels, theta, mode, mask, send,
+      totals.data(), digest.data(), per_receiver.data());
+  DTE_CUDA_TRY(cudaGetLastError());
+  DetectTotals host{};
+  std::vector<unsigned long long> pr(receivers);
+  DTE_CUDA_TRY(
+      cudaMemcpyAsync(&host, totals.data(), sizeof host, cudaMemcpyDeviceToHost, e.stream()));
+  if (canonical_tensors != 0) {
+    DTE_CUDA_TRY(cudaMemcpyAsync(r.digest.data(), digest.data(), digest.bytes(),
+                                 cudaMemcpyDeviceToHost, e.stream()));
+  }
+  if (receivers != 0) {
+    DTE_CUDA_TRY(cudaMemcpyAsync(pr.data(), per_receiver.data(), per_receiver.bytes(),
+                                 cudaMemcpyDeviceToHost, e.stream()));
+  }
+  e.synchronize();  // the publication's one synchronisation
+  r.flagged = host.flagged;
+  r.guard = host.guard;
+  r.entries = host.entries;
+  r.scanned = host.scanned;
+  if (host.first_invalid_item != ~0ull) {
+    WorkItem item{};
+    DTE_CUDA_TRY(cudaMemcpy(&item, t.items.data() + host.first_invalid_item, sizeof item,
+                            cudaMemcpyDeviceToHost));
+    r.invalid_segment = item.segment;
+  }
+  for (std::size_t i = 0; i < receivers; ++i)
+    r.per_receiver[i] = pr[i];
+  return r;
+}
+
+// Stage 2: the set bits of send[0, ceil(n / 64)) as increasing shard offsets; flagged: their
+// number (from detect). Enqueued only.
+inline DeviceArray<std::int64_t> compact(const exec::Cuda& e, const std::uint64_t* send,
+                                         std::int64_t n, std::uint64_t flagged) {
+  DeviceArray<std::int64_t> out(e, flagged);
+  if (flagged == 0) return out;
+  auto selected = DeviceArray<std::int64_t>(e, 1);
+  const thrust::counting_iterator<std::int64_t> in(0);
+  const auto flags = thrust::make_transform_iterator(in, detail::BitOf{send});
+  std::size_t temp_bytes = 0;
+  DTE_CUDA_TRY(cub::DeviceSelect::Flagged(nullptr, temp_bytes, in, flags, out.data(),
+                                          selected.data(), n, e.stream()));
+  DeviceArray<std::byte> temp(e, temp_bytes);
+  DTE_CUDA_TRY(cub::DeviceSelect::Flagged(temp.data(), temp_bytes, in, flags, out.data(),
+                                          selected.data(), n, e.stream()));
+  return out;
+}
+
+// Per-receiver buckets of routed entries, structure of arrays in device memory: receiver d's
+// entries are [offset[d], offset[d] + count[d]), in shard order (and target order per element).
+struct Buckets {
+  DeviceArray<std::uint32_t> tensor, index;
+  DeviceArray<std::uint16_t> bits;
+  std::vector<std::uint64_t> offset, count;
+  [[nodiscard]] std::uint64_t size() const noexcept { return bits.size(); }
+};
+
+// The number of low bits that hold every receiver index below `receivers`.
+constexpr int receiver_bits(std::size_t receivers) noexcept {
+  return receivers <= 1 ? 1 : std::bit_width(receivers - 1);
+}
+
+// Stages 3 and 4: route the changed offsets through the tables and bucket them by receiver.
+// theta: the buffer's device weights (the bits sent are Detect::store(theta[o])).
+template <change_detector Detect>
+Buckets route_and_bucket(const exec::Cuda& e, const DeviceTables& t, const float* theta,
+                         const DeviceArray<std::int64_t>& offsets, const DetectResult& d) {
+  Buckets b;
+  const std::size_t receivers = d.per_receiver.size();
+  b.count = d.per_receiver;
+  b.offset.assign(receivers, 0);
+  const std::uint64_t total = e.exclusive_scan(b.count, b.offset);
+  if (total != d.entries) {
+    throw error("dte::pipeline::device: the detect stage counted " + std::to_string(d.entries) +
+                " entries but " + std::to_string(total) + " per receiver; report this");
+  }
+  b.tensor = DeviceArray<std::uint32_t>(e, total);
+  b.index = DeviceArray<std::uint32_t>(e, total);
+  b.bits = DeviceArray<std::uint16_t>(e, total);
+  const auto n = static_cast<std::int64_t>(offsets.size());
+  if (n == 0 || total == 0) return b;
+  const unsigned grid = dte::cuda::detail::grid_blocks(static_cast<std::size_t>(n));
+
+  DeviceArray<std::uint64_t> counts(e, static_cast<std::size_t>(n));
+  DeviceArray<std::uint64_t> positions(e, static_cast<std::size_t>(n));
+  detail::count_targets<<<grid, block_threads, 0, e.stream()>>>(
+      offsets.data(), n, t.items.data(), t.n_items, t.runs.data(), counts.data());
+  DTE_CUDA_TRY(cudaGetLastError());
+  std::size_t temp_bytes = 0;
+  DTE_CUDA_TRY(cub::DeviceScan::ExclusiveSum(nullptr, temp_bytes, counts.data(), positions.data(),
+                                             n, e.stream()));
+  {
+    DeviceArray<std::byte> temp(e, temp_bytes);
+    DTE_CUDA_TRY(cub::DeviceScan::ExclusiveSum(temp.data(), temp_bytes, counts.data(),
+                                               positions.data(), n, e.stream()));
+  }
+
+  DeviceArray<std::uint32_t> rank(e, total), rank_sorted(e, total), tensor(e, total),
+      index(e, total);
+  DeviceArray<std::uint64_t> order(e, total), order_sorted(e, total);
+  DeviceArray<std::uint16_t> bits(e, total);
+  detail::route_entries<Detect><<<grid, block_threads, 0, e.stream()>>>(
+      offsets.data(), n, t.items.data(), t.n_items, t.runs.data(), t.targets.data(), theta,
+      positions.data(), rank.data(), order.data(), tensor.data(), index.data(), bits.data());
+  DTE_CUDA_TRY(cudaGetLastError());
+
+  // A stable sort on the receiver bits only: histogram, scan and scatter in CUB's passes.
+  const int end_bit = receiver_bits(receivers);
+  temp_bytes = 0;
+  DTE_CUDA_TRY(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, rank.data(), rank_sorted.data(),
+                                               order.data(), order_sorted.data(), total, 0, end_bit,
+                                               e.stream()));
+  {
+    DeviceArray<std::byte> temp(e, temp_bytes);
+    DTE_CUDA_TRY(cub::DeviceRadixSort::SortPairs(
+        temp.data(), temp_bytes, rank.data(), rank_sorted.data(), order.data(), order_sorted.data(),
+        total, 0, end_bit, e.stream()));
+  }
+  detail::gather_entries<<<dte::cuda::detail::grid_blocks(total), block_threads, 0, e.stream()>>>(
+      order_sorted.data(), total, tensor.data(), index.data(), bits.data(), b.tensor.data(),
+      b.index.data(), b.bits.data());
+  DTE_CUDA_TRY(cudaGetLastError());
+  return b;
+}
+
+// ---- Receiver side ----
+
+// One receiver rank's device view: its live tensors (caller-owned BF16/FP16 bits), their live
+// element counts, and its source table (receiver element -> canonical element).
+struct DeviceReceiver {
+  DeviceArray<std::uint16_t*> tensors;
+  DeviceArray<std::uint64_t> live_end;
+  DeviceArray<SourceRun> sources;
+  DeviceArray<Digest> digest;  // per canonical tensor, of the tensors' contents
+  std::uint32_t n_tensors = 0, n_sources = 0;
+
+  DeviceReceiver() = default;
+  DeviceReceiver(const exec::Cuda& e, std::span<std::uint16_t* const> device_tensors,
+                 std::span<const std::uint64_t> live, const ReceiverSourceTable& table,
+                 std::size_t canonical_tensors)
+      : tensors(DeviceArray<std::uint16_t*>::copy_of(e, device_tensors)),
+        live_end(DeviceArray<std::uint64_t>::copy_of(e, live)),
+        sources(DeviceArray<SourceRun>::copy_of(e, table.runs())),
+        digest(DeviceArray<Digest>::zeros(e, canonical_tensors)),
+        n_tensors(static_cast<std::uint32_t>(device_tensors.size())),
+        n_sources(static_cast<std::uint32_t>(table.runs().size())) {
+    if (device_tensors.size() != live.size()) {
+      throw invalid_argument("DeviceReceiver: " + std::to_string(device_tensors.size()) +
+                             " tensors but " + std::to_string(live.size()) + " live sizes");
+    }
+  }
+};
+
+namespace detail {
+
+// Checks every entry before anything is written: the first bad one (lowest index) is recorded.
+__global__ void __launch_bounds__(block_threads)
+    check_entries(const std::uint32_t* tensor, const std::uint32_t* index, std::uint64_t n,
+                  std::uint32_t n_tensors, const std::uint64_t* live_end, const SourceRun* sources,
+                  std::uint32_t n_sources, unsigned long long* first_bad) {
+  const std::uint64_t stride = static_cast<std::uint64_t>(gridDim.x) * blockDim.x;
+  for (std::uint64_t e = static_cast<std::uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
+       e += stride) {
+    const std::uint32_t t = tensor[e];
+    const bool ok = t < n_tensors && index[e] < live_end[t] &&
+                    find_source(sources, n_sources, t, index[e]) != n_sources;
+    if (!ok) atomicMin(first_bad, static_cast<unsigned long long>(e));
+  }
+}
+
+// Writes every entry and moves the digest by what it overwrites (fresh: nothing, a full
+// publication's first write of a reset receiver) and what it writes. Entries are distinct
+// elements (one sender per element); were two to hit one element, the digest would disagree
+// with the tensors and the verification would repair the tensor.
+__global__ void __launch_bounds__(block_threads)
+    write_entries(const std::uint32_t* tensor, const std::uint32_t* index,
+                  const std::uint16_t* bits, std::uint64_t n, std::uint16_t* const* tensors,
+                  const SourceRun* sources, std::uint32_t n_sources, bool fresh, Digest* digest) {
+  const std::uint64_t stride = static_cast<std::uint64_t>(gridDim.x) * blockDim.x;
+  for (std::uint64_t e = static_cast<std::uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
+       e += stride) {
+    const std::uint32_t t = tensor[e], i = index[e];
+    const SourceRun& s = sources[find_source(sources, n_sources, t, i)];
+    const std::int64_t g = s.canonical + (i - s.index);
+    std::uint16_t& cell = tensors[t][i];
+    const Digest term = element_digest(g, bits[e]) - (fresh ? 0u : element_digest(g, cell));
+    cell = bits[e];
+    if (term != 0) atomicAdd(&digest[s.tensor], term);
+  }
+}
+
+}  // namespace detail
+
+// Applies n entries (device arrays) to a receiver's device tensors. Refuses the whole batch,
+// before writing anything, when an entry is outside the receiver's live elements (throws
+// protocol_error naming it); synchronises once for that check.
+inline void apply_entries(const exec::Cuda& e, DeviceReceiver& r, const std::uint32_t* tensor,
+                          const std::uint32_t* index, const std::uint16_t* bits, std::uint64_t n,
+                          bool fresh) {
+  if (n == 0) return;
+  auto first_bad = DeviceArray<unsigned long long>(e, 1);
+  DTE_CUDA_TRY(cudaMemsetAsync(first_bad.data(), 0xFF, 8, e.stream()));
+  const unsigned grid = dte::cuda::detail::grid_blocks(n);
+  detail::check_entries<<<grid, block_threads, 0, e.stream()>>>(tensor, index, n, r.n_tensors,
+                                                                r.live_end.data(), r.sources.data(),
+                                                                r.n_sources, first_bad.data());
+  DTE_CUDA_TRY(cudaGetLastError());
+  const unsigned long long bad = first_bad.to_host()[0];
+  if (bad != ~0ull) {
+    std::uint32_t t = 0, i = 0;
+    DTE_CUDA_TRY(cudaMemcpy(&t, tensor + bad, 4, cudaMemcpyDeviceToHost));
+    DTE_CUDA_TRY(cudaMemcpy(&i, index + bad, 4, cudaMemcpyDeviceToHost));
+    throw protocol_error("dte::pipeline::device::apply_entries: entry " + std::to_string(bad) +
+                         " writes element " + std::to_string(i) + " of receiver tensor " +
+                         std::to_string(t) +
+                         ", which this receiver does not hold as live data; nothing was written");
+  }
+  detail::write_entries<<<grid, block_threads, 0, e.stream()>>>(
+      tensor, index, bits, n, r.tensors.data(), r.sources.data(), r.n_sources, fresh,
+      r.digest.data());
+  DTE_CUDA_TRY(cudaGetLastError());
+}
+
+// ---- One trainer rank's publication on the device ----
+
+// What one buffer's stages produced.
+struct BufferOutput {
+  DetectResult detect;
+  Buckets buckets;  // empty in mode mark
+};
+
+// The stages chained over one trainer rank's shard, both buffers: the tables are built and
+// copied once; scan() binds the inverse to the access's device spans (bind_unchecked reads no
+// element), then runs detect (one synchronisation per buffer), compact, route and bucket on the
+// executor's stream. Access: trainer_access whose spans are device memory.
+template <optimizer_inverse Inverse, change_detector Detect,
+          transfer_plan Plan = layout::TransferPlan>
+class SenderPipeline {
+ public:
+  using kernel = typename Inverse::kernel;
+
+  SenderPipeline(const layout::HfModel& hf, const layout::TrainTopology& train,
+                 const layout::SglangLayout& receivers, std::int64_t rank, bool keep_mask,
+                 exec::Cuda e)
+      : hf_(&hf),
+        rank_(rank),
+        receivers_(static_cast<std::size_t>(receivers.topology().ranks())),
+        plan_(hf, train, receivers, rank),
+        table_(plan_, hf, receivers),
+        exec_(e) {
+    for (layout::BufferKind b : buffers) {
+      const int x = static_cast<int>(b);
+      const WorkTable work(table_.runs(b), plan_.segments(b), item_elements);
+      tables_[x] =
+          DeviceTables(exec_, work, table_.runs(b), table_.all_targets(), plan_.shard_size(b));
+      const std::size_t words = (static_cast<std::size_t>(plan_.shard_size(b)) + 63) / 64;
+      send_[x] = DeviceArray<std::uint64_t>(exec_, words);
+      if (keep_mask) mask_[x] = DeviceArray<std::uint64_t>::zeros(exec_, words);
+    }
+  }
+
+  [[nodiscard]] std::int64_t rank() const noexcept { return rank_; }
+  [[nodiscard]] const Plan& plan() const noexcept { return plan_; }
+  [[nodiscard]] const RunTable& runs() const noexcept { return table_; }
+  [[nodiscard]] const exec::Cuda& executor() const noexcept { return exec_; }
+
+  // Clears the K-step dirty masks (after a refused publication: the next one is full).
+  void clear_masks() {
+    for (auto& m : mask_) {
+      if (m.size() != 0) DTE_CUDA_TRY(cudaMemsetAsync(m.data(), 0, m.bytes(), exec_.stream()));
+    }
+  }
+  [[nodiscard]] std::uint64_t mask_bytes() const noexcept {
+    return mask_[0].bytes() + mask_[1].bytes();
+  }
+  // Device memory held between publications besides the masks: tables and send bits.
+  [[nodiscard]] std::uint64_t table_bytes() const noexcept {
+    std::uint64_t n = 0;
+    for (int x = 0; x < 2; ++x) {
+      n += tables_[x].items.bytes() + tables_[x].runs.bytes() + tables_[x].targets.bytes() +
+           send_[x].bytes();
+    }
+    return n;
+  }
+
+  template <class Access>
+  std::array<BufferOutput, 2> scan(const Access& access, ScanMode mode) {
+    std::array<BufferOutput, 2> out;
+    for (layout::BufferKind b : buffers) {
+      const int x = static_cast<int>(b);
+      if (plan_.shard_size(b) == 0) continue;
+      const std::span<const float> theta = access.theta(rank_, b);
+      std::vector<kernel> host_kernels;
+      if (mode != ScanMode::all) {
+        for (const layout::PlanSegment& s : plan_.segments(b)) {
+          host_kernels.push_back(
+              Inverse::bind_unchecked(access.hyperparameters(rank_, b, s),
+                                      theta.subspan(static_cast<std::size_t>(s.shard_begin),
+                                                    static_cast<std::size_t>(s.length)),
+                                      access.state(rank_, b, s), label(s)));
+        }
+      }
+      const auto kernels = DeviceArray<kernel>::copy_of(exec_, host_kernels);
+      out[x].detect =
+          detect<Detect>(exec_, tables_[x], kernels.data(), theta.data(), mode, mask_[x].data(),
+                         send_[x].data(), static_cast<std::size_t>(hf_->size()), receivers_);
+      if (out[x].detect.invalid_segment >= 0) {
+        const layout::PlanSegment& s =
+            plan_.segments(b)[static_cast<std::size_t>(out[x].detect.invalid_segment)];
+        throw invalid_argument(label(s) + ": an element of the optimizer state fails " +
+                               std::string(Inverse::name) +
+                               "'s element checks (a non-finite value or moment, a negative "
+                               "second moment); nothing was sent");
+      }
+      if (mode == ScanMode::mark) continue;
+      const auto offsets =
+          compact(exec_, send_[x].data(), plan_.shard_size(b), out[x].detect.flagged);
+      out[x].buckets =
+          route_and_bucket<Detect>(exec_, tables_[x], theta.data(), offsets, out[x].detect);
+    }
+    return out;
+  }
+
+ private:
+  static constexpr layout::BufferKind buffers[2] = {layout::BufferKind::dense,
+                                                    layout::BufferKind::expert};
+
+  [[nodiscard]] std::string label(const layout::PlanSegment& s) const {
+    return "trainer rank " + std::to_string(rank_) + " " +
+           std::string(plan_.params()[static_cast<std::size_t>(s.param)].name());
+  }
+
+  const layout::HfModel* hf_;
+  std::int64_t rank_;
+  std::size_t receivers_;
+  Plan plan_;
+  RunTable table_;
+  exec::Cuda exec_;
+  DeviceTables tables_[2];
+  DeviceArray<std::uint64_t> send_[2], mask_[2];
+};
+
+}  // namespace dte::pipeline::device

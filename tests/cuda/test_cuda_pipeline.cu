@@ -1,0 +1,580 @@
+// SPDX-License-Identifier: Apache-2.0
+// The pipeline on the CUDA executor against the host pipeline, bit for bit: the same trainer
+// state through pipeline/device.cuh (detect, compact, route, bucket) and through SenderRank's
+// host stages must give the same send sets, digests, counts and per-receiver entries in the same
+// order; every mode (detect, mark + mask for K > 1, all), a refused element, a shard above 2^31
+// elements, and the receiver's device apply (the golden invariant: after a full publication
+// and deltas, every live receiver element equals the BF16 rounding of the trainer's weight, and
+// the digest equals the tensors' digest). Runs only on a GPU (exit 77 otherwise).
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include <cuda_runtime.h>
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "dte/detect/detect.hpp"
+#include "dte/engine/device_receiver.cuh"
+#include "dte/engine/device_sender.cuh"
+#include "dte/engine/engine.hpp"
+#include "dte/engine/sender.hpp"
+#include "dte/exec/cuda.cuh"
+#include "dte/exec/host.hpp"
+#include "dte/optim/adam.hpp"
+#include "dte/optim/snapshot.hpp"
+#include "dte/pipeline/device.cuh"
+#include "dte/sim/access.hpp"
+#include "dte/sim/device_access.cuh"
+#include "dte/sim/synthetic_trainer.hpp"
+
+namespace {
+
+constexpr int kSkipCode = 77;
+
+using dte::exec::DeviceArray;
+using dte::layout::BufferKind;
+using dte::pipeline::ScanMode;
+namespace dev = dte::pipeline::device;
+
+constexpr BufferKind kBuffers[2] = {BufferKind::dense, BufferKind::expert};
+
+using DeviceTrainer = dte::sim::DeviceAdamWAccess;
+
+using Entry = std::tuple<std::uint32_t, std::uint32_t, std::uint16_t>;  // tensor, index, bits
+
+struct StageResult {
+  std::uint64_t flagged = 0, guard = 0, scanned = 0;
+  std::vector<dte::Digest> digest;
+  std::vector<std::vector<Entry>> to;  // per receiver, in order
+};
+
+using HostSender =
+    dte::SenderRank<dte::AdamWInverse, dte::BF16Detect, dte::layout::TransferPlan, dte::exec::Host>;
+
+// The host stages, tile by tile in order (what SenderRank::scan runs, without the encoder).
+StageResult host_stages(HostSender& s, const dte::sim::AdamWAccess& a, ScanMode mode,
+                        std::size_t tensors, std::size_t receivers) {
+  StageResult r;
+  r.digest.assign(tensors, 0);
+  r.to.resize(receivers);
+  for (BufferKind b : kBuffers) {
+    if (s.plan().shard_size(b) == 0) continue;
+    if (mode != ScanMode::all) s.bind(a, b);
+    const auto theta = a.theta(s.rank(), b);
+    HostSender::Tile tile;
+    for (std::size_t t = 0; t < s.tiles(b); ++t) {
+      REQUIRE(s.detect_tile(theta, b, t, mode, tile));
+      r.flagged += tile.counts.flagged;
+      r.guard += tile.counts.guard;
+      r.scanned += tile.scanned;
+      for (const auto& [tensor, d] : tile.digest)
+        r.digest[static_cast<std::size_t>(tensor)] += d;
+      if (mode == ScanMode::mark || mode == ScanMode::all) continue;
+      s.compact_tile(theta, b, t, tile);
+      s.route_tile(b, t, tile);
+      const auto& e = tile.routed;
+      for (std::size_t i = 0; i < e.size(); ++i)
+        r.to[e.rank[i]].emplace_back(e.tensor[i], e.index[i], e.bits[i]);
+    }
+    if (mode == ScanMode::all) {
+      // The naive reference of a full publication: every sent element of every run, per copy.
+      for (const dte::pipeline::Run& run : s.runs().runs(b)) {
+        if (!run.sender || run.tensor < 0) continue;
+        r.flagged += static_cast<std::uint64_t>(run.length);
+        for (std::int64_t j = 0; j < run.length; ++j) {
+          const std::uint16_t bits = dte::BF16Detect::store(theta[run.shard_begin + j]);
+          for (const auto& target : s.runs().targets(run))
+            r.to[target.rank].emplace_back(target.tensor,
+                                           target.index + static_cast<std::uint32_t>(j), bits);
+        }
+      }
+    }
+  }
+  return r;
+}
+
+StageResult device_result(const std::array<dev::BufferOutput, 2>& out, std::size_t tensors,
+                          std::size_t receivers) {
+  StageResult r;
+  r.digest.assign(tensors, 0);
+  r.to.resize(receivers);
+  for (const dev::BufferOutput& o : out) {
+    r.flagged += o.detect.flagged;
+    r.guard += o.detect.guard;
+    r.scanned += o.detect.scanned;
+    for (std::size_t t = 0; t < o.detect.digest.size(); ++t)
+      r.digest[t] += o.detect.digest[t];
+    if (o.buckets.size() == 0) continue;
+    const auto tensor = o.buckets.tensor.to_host();
+    const auto index = o.buckets.index.to_host();
+    const auto bits = o.buckets.bits.to_host();
+    for (std::size_t d = 0; d < receivers; ++d) {
+      for (std::uint64_t k = 0; k < o.buckets.count[d]; ++k) {
+        const std::uint64_t at = o.buckets.offset[d] + k;
+        r.to[d].emplace_back(tensor[at], index[at], bits[at]);
+      }
+    }
+  }
+  return r;
+}
+
+void check_same(const StageResult& host, const StageResult& device) {
+  CHECK(device.flagged == host.flagged);
+  CHECK(device.guard == host.guard);
+  CHECK(device.scanned == host.scanned);
+  CHECK(device.digest == host.digest);
+  REQUIRE(device.to.size() == host.to.size());
+  for (std::size_t d = 0; d < host.to.size(); ++d) {
+    INFO("receiver " << d);
+    CHECK(device.to[d].size() == host.to[d].size());
+    CHECK(device.to[d] == host.to[d]);
+  }
+}
+
+struct Case {
+  const char* model;
+  const char* train;
+  const char* infer;
+};
+constexpr Case kCases[] = {
+    {"tiny-qwen3", "tp=2,dp=2", "tp=2"},
+    {"tiny-qwen3", "tp=4,pp=2,dp=2,split=1:3,bucket=3000", "tp=4,replicas=2"},
+    {"tiny-qwen3-moe", "tp=2,ep=2,dp=2", "tp=2"}};
+
+class Stream {
+ public:
+  Stream() { DTE_CUDA_TRY(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }
+  ~Stream() { (void)cudaStreamDestroy(s_); }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  operator cudaStream_t() const noexcept { return s_; }
+
+ private:
+  cudaStream_t s_{};
+};
+
+template <class T>
+__global__ void fill(T* p, std::size_t n, T value) {
+  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x)
+    p[i] = value;
+}
+
+}  // namespace
+
+TEST_CASE("device stages == host stages, every mode, every rank") {
+  for (const Case& c : kCases) {
+    INFO(c.model << " train " << c.train << " infer " << c.infer);
+    const dte::layout::HfModel hf(dte::layout::model_preset(c.model));
+    const auto train = dte::layout::parse_train_topology(c.train);
+    const dte::layout::SglangLayout recv(hf, dte::layout::parse_infer_topology(c.infer));
+    dte::sim::SyntheticTrainer trainer(hf, train, recv, {.seed = 7, .lr = 3e-4});
+    const dte::sim::AdamWAccess host_access{&trainer};
+    const auto tensors = static_cast<std::size_t>(hf.size());
+    const auto receivers = static_cast<std::size_t>(recv.topology().ranks());
+    Stream stream;
+    const dte::exec::Cuda e(stream);
+    for (std::int64_t rank = 0; rank < train.world(); ++rank) {
+      INFO("trainer rank " << rank);
+      HostSender host(hf, train, recv, rank, true, dte::exec::Host(1));
+      dev::SenderPipeline<dte::AdamWInverse, dte::BF16Detect> device(hf, train, recv, rank, true,
+                                                                     e);
+      DeviceTrainer dt(trainer, rank, e);
+      // A full publication, then K = 1 deltas, then a K = 2 window (mark, then mask).
+      check_same(host_stages(host, host_access, ScanMode::all, tensors, receivers),
+                 device_result(device.scan(dt, ScanMode::all), tensors, receivers));
+      for (const ScanMode mode : {ScanMode::detect, ScanMode::mark, ScanMode::mask}) {
+        trainer.step();
+        dt.upload();
+        INFO("mode " << static_cast<int>(mode));
+        const StageResult h = host_stages(host, host_access, mode, tensors, receivers);
+        const StageResult d = device_result(device.scan(dt, mode), tensors, receivers);
+        check_same(h, d);
+        if (mode == ScanMode::detect) CHECK(h.flagged > 0);  // the case exercises changes
+      }
+    }
+  }
+}
+
+TEST_CASE("a refused element is refused on the device too, naming the host's segment") {
+  const dte::layout::HfModel hf(dte::layout::model_preset("tiny-qwen3"));
+  const auto train = dte::layout::parse_train_topology("tp=2,dp=2");
+  const dte::layout::SglangLayout recv(hf, dte::layout::parse_infer_topology("tp=2"));
+  dte::sim::SyntheticTrainer trainer(hf, train, recv, {.lr = 3e-4});
+  trainer.step();
+  const std::int64_t rank = 1;
+  auto v = trainer.exp_avg_sq(rank, BufferKind::dense);
+  v[v.size() / 2] = -1.0f;  // a negative second moment
+  HostSender host(hf, train, recv, rank, false, dte::exec::Host(1));
+  const dte::sim::AdamWAccess host_access{&trainer};
+  host.bind(host_access, BufferKind::dense);
+  HostSender::Tile tile;
+  std::int32_t host_segment = -1;
+  for (std::size_t t = 0; t < host.tiles(BufferKind::dense) && host_segment < 0; ++t) {
+    if (!host.detect_tile(host_access.theta(rank, BufferKind::dense), BufferKind::dense, t,
+                          ScanMode::detect, tile)) {
+      host_segment = tile.invalid_segment;
+    }
+  }
+  REQUIRE(host_segment >= 0);
+  const auto& seg = host.plan().segments(BufferKind::dense)[static_cast<std::size_t>(host_segment)];
+  const std::string name(host.plan().params()[static_cast<std::size_t>(seg.param)].name());
+
+  Stream stream;
+  const dte::exec::Cuda e(stream);
+  dev::SenderPipeline<dte::AdamWInverse, dte::BF16Detect> device(hf, train, recv, rank, false, e);
+  DeviceTrainer dt(trainer, rank, e);
+  try {
+    (void)device.scan(dt, ScanMode::detect);
+    FAIL("the device scan accepted a negative second moment");
+  } catch (const dte::invalid_argument& err) {
+    CHECK(std::string(err.what()).find(name) != std::string::npos);
+  }
+}
+
+TEST_CASE("more than 2^31 elements: 64-bit offsets through detect, compact, route and bucket") {
+  const std::int64_t n = (std::int64_t{1} << 31) + 4099;
+  std::size_t free_bytes = 0, total_bytes = 0;
+  DTE_CUDA_TRY(cudaMemGetInfo(&free_bytes, &total_bytes));
+  if (free_bytes < static_cast<std::size_t>(n) * 8) {
+    MESSAGE("skipped: needs " << n * 8 / (1 << 30) << " GiB of free device memory");
+    return;
+  }
+  Stream stream;
+  const dte::exec::Cuda e(stream);
+  using Kernel = dte::detail::SnapshotKernel<dte::Bf16Format>;
+  DeviceArray<float> theta(e, static_cast<std::size_t>(n));
+  DeviceArray<std::uint16_t> published(e, static_cast<std::size_t>(n));
+  const std::uint16_t one = dte::BF16Detect::store(1.0f);
+  fill<<<1024, 256, 0, stream>>>(theta.data(), static_cast<std::size_t>(n), 1.0f);
+  fill<<<1024, 256, 0, stream>>>(published.data(), static_cast<std::size_t>(n), one);
+  const std::vector<std::int64_t> changed = {0,
+                                             4095,
+                                             4096,
+                                             (std::int64_t{1} << 31) - 1,
+                                             std::int64_t{1} << 31,
+                                             (std::int64_t{1} << 31) + 1,
+                                             n - 1};
+  const float two = 2.0f;
+  for (std::int64_t o : changed) {
+    DTE_CUDA_TRY(cudaMemcpyAsync(theta.data() + o, &two, 4, cudaMemcpyHostToDevice, stream));
+  }
+  // One segment, one run, one receiver copy at index 0 of receiver tensor 3 on receiver 1.
+  const std::vector<dte::layout::PlanSegment> segs = {{0, n, 0, 0, true}};
+  const std::vector<dte::pipeline::Run> runs = {{0, n, 0, 0, 0, 0, 1, true}};
+  const std::vector<dte::pipeline::RunTarget> targets = {{1, 3, 0}};
+  const dte::pipeline::WorkTable work(runs, segs, dev::item_elements);
+  const dev::DeviceTables tables(e, work, runs, targets, n);
+  const Kernel host_kernel{theta.data(), published.data(), static_cast<std::size_t>(n)};
+  const auto kernels = DeviceArray<Kernel>::copy_of(e, std::span<const Kernel>(&host_kernel, 1));
+  DeviceArray<std::uint64_t> send(e, static_cast<std::size_t>((n + 63) / 64));
+  const dev::DetectResult d = dev::detect<dte::BF16Detect>(
+      e, tables, kernels.data(), theta.data(), ScanMode::detect, nullptr, send.data(), 1, 2);
+  CHECK(d.invalid_segment == -1);
+  CHECK(d.flagged == changed.size());
+  CHECK(d.entries == changed.size());
+  CHECK(d.scanned == static_cast<std::uint64_t>(n));
+  CHECK(d.per_receiver == std::vector<std::uint64_t>{0, changed.size()});
+  dte::Digest want = 0;
+  const std::uint16_t two_bits = dte::BF16Detect::store(2.0f);
+  for (std::int64_t i = 0; i < n; ++i)
+    want += dte::element_digest(i, one);
+  for (std::int64_t o : changed)
+    want += dte::element_digest(o, two_bits) - dte::element_digest(o, one);
+  CHECK(d.digest[0] == want);
+  const auto offsets = dev::compact(e, send.data(), n, d.flagged);
+  CHECK(offsets.to_host() == changed);
+  const dev::Buckets b =
+      dev::route_and_bucket<dte::BF16Detect>(e, tables, theta.data(), offsets, d);
+  CHECK(b.offset == std::vector<std::uint64_t>{0, 0});
+  CHECK(b.count == std::vector<std::uint64_t>{0, changed.size()});
+  const auto index = b.index.to_host();
+  const auto tensor = b.tensor.to_host();
+  const auto bits = b.bits.to_host();
+  for (std::size_t k = 0; k < changed.size(); ++k) {
+    CHECK(index[k] == static_cast<std::uint32_t>(changed[k]));
+    CHECK(tensor[k] == 3u);
+    CHECK(bits[k] == two_bits);
+  }
+}
+
+namespace {
+
+// One receiver rank's tensors in device memory, with the host-side reference checks.
+struct DeviceReceiverTensors {
+  std::vector<DeviceArray<std::uint16_t>> tensors;
+  std::vector<std::uint16_t*> pointers;
+  std::vector<std::uint64_t> live;
+
+  DeviceReceiverTensors(const dte::exec::Cuda& e, const dte::layout::SglangLayout& recv,
+                        std::int64_t rank) {
+    const std::int64_t ts = rank % recv.topology().tp;
+    for (std::int64_t k = 0; k < recv.size(); ++k) {
+      tensors.push_back(
+          DeviceArray<std::uint16_t>::zeros(e, static_cast<std::size_t>(recv[k].numel)));
+      pointers.push_back(tensors.back().data());
+      live.push_back(static_cast<std::uint64_t>(recv.live_end(ts, k)));
+    }
+  }
+  std::vector<std::vector<std::uint16_t>> download() const {
+    std::vector<std::vector<std::uint16_t>> out;
+    for (const auto& t : tensors)
+      out.push_back(t.to_host());
+    return out;
+  }
+};
+
+// Elements that differ from the rounded canonical weights, and the digest of the contents.
+std::int64_t mismatches(const dte::layout::HfModel& hf, const dte::layout::SglangLayout& recv,
+                        std::int64_t rank, const std::vector<std::vector<std::uint16_t>>& t,
+                        const std::vector<float>& canonical, std::vector<dte::Digest>& digest) {
+  std::int64_t bad = 0;
+  digest.assign(static_cast<std::size_t>(hf.size()), 0);
+  const std::int64_t ts = rank % recv.topology().tp;
+  for (std::int64_t k = 0; k < recv.size(); ++k) {
+    for (std::size_t i = 0; i < t[static_cast<std::size_t>(k)].size(); ++i) {
+      const auto c = recv.source({ts, k, static_cast<std::int64_t>(i)});
+      const std::uint16_t got = t[static_cast<std::size_t>(k)][i];
+      if (c.tensor < 0) {
+        bad += got != 0;
+        continue;
+      }
+      const std::int64_t g = hf[c.tensor].base + c.index;
+      bad += got != dte::BF16Detect::store(canonical[static_cast<std::size_t>(g)]);
+      digest[static_cast<std::size_t>(c.tensor)] += dte::element_digest(g, got);
+    }
+  }
+  return bad;
+}
+
+}  // namespace
+
+TEST_CASE("device apply: a full publication then deltas leave every receiver dense-equal") {
+  for (const Case& c : kCases) {
+    INFO(c.model << " train " << c.train << " infer " << c.infer);
+    const dte::layout::HfModel hf(dte::layout::model_preset(c.model));
+    const auto train = dte::layout::parse_train_topology(c.train);
+    const dte::layout::SglangLayout recv(hf, dte::layout::parse_infer_topology(c.infer));
+    dte::sim::SyntheticTrainer trainer(hf, train, recv, {.seed = 3, .lr = 3e-4});
+    const auto tensors = static_cast<std::size_t>(hf.size());
+    const auto receivers = static_cast<std::size_t>(recv.topology().ranks());
+    Stream stream;
+    const dte::exec::Cuda e(stream);
+    std::vector<dev::SenderPipeline<dte::AdamWInverse, dte::BF16Detect>> senders;
+    std::vector<DeviceTrainer> access;
+    senders.reserve(static_cast<std::size_t>(train.world()));
+    access.reserve(static_cast<std::size_t>(train.world()));
+    for (std::int64_t r = 0; r < train.world(); ++r) {
+      senders.emplace_back(hf, train, recv, r, false, e);
+      access.emplace_back(trainer, r, e);
+    }
+    std::vector<DeviceReceiverTensors> held;
+    std::vector<dev::DeviceReceiver> rx;
+    for (std::size_t d = 0; d < receivers; ++d) {
+      held.emplace_back(e, recv, static_cast<std::int64_t>(d));
+      rx.emplace_back(e, held.back().pointers, held.back().live,
+                      dte::pipeline::ReceiverSourceTable(hf, recv, static_cast<std::int64_t>(d)),
+                      tensors);
+    }
+    for (int publication = 0; publication < 4; ++publication) {
+      INFO("publication " << publication);
+      const bool full = publication == 0;
+      if (!full) {
+        trainer.step();
+        for (DeviceTrainer& a : access)
+          a.upload();
+      }
+      for (std::size_t s = 0; s < senders.size(); ++s) {
+        const auto out = senders[s].scan(access[s], full ? ScanMode::all : ScanMode::detect);
+        for (const dev::BufferOutput& o : out) {
+          if (o.buckets.size() == 0) continue;
+          for (std::size_t d = 0; d < receivers; ++d) {
+            const std::uint64_t at = o.buckets.offset[d];
+            dev::apply_entries(e, rx[d], o.buckets.tensor.data() + at, o.buckets.index.data() + at,
+                               o.buckets.bits.data() + at, o.buckets.count[d], full);
+          }
+        }
+      }
+      const std::vector<float> canonical = trainer.canonical_weights();
+      for (std::size_t d = 0; d < receivers; ++d) {
+        INFO("receiver " << d);
+        std::vector<dte::Digest> want;
+        CHECK(mismatches(hf, recv, static_cast<std::int64_t>(d), held[d].download(), canonical,
+                         want) == 0);
+        CHECK(rx[d].digest.to_host() == want);
+      }
+    }
+    // A bad entry (beyond the live elements of tensor 0) is refused before anything is written.
+    const auto before = held[0].download();
+    const std::vector<std::uint32_t> t = {0, 0};
+    const std::vector<std::uint32_t> i = {0, static_cast<std::uint32_t>(held[0].live[0])};
+    const std::vector<std::uint16_t> b = {0x1234, 0x1234};
+    const auto dt = DeviceArray<std::uint32_t>::copy_of(e, t);
+    const auto di = DeviceArray<std::uint32_t>::copy_of(e, i);
+    const auto db = DeviceArray<std::uint16_t>::copy_of(e, b);
+    CHECK_THROWS_AS(dev::apply_entries(e, rx[0], dt.data(), di.data(), db.data(), 2, false),
+                    dte::protocol_error);
+    CHECK(held[0].download() == before);
+  }
+}
+
+TEST_CASE("DeltaEngine on exec::Cuda (device state, device receivers) == the host engine") {
+  // The same trainer, published by a host engine and by a device engine over two loopback
+  // worlds; the device receivers must stay dense-equal and verified, and both engines must
+  // report the same changed elements, scanned elements and digest every publication.
+  using namespace dte;
+  const layout::HfModel hf(layout::model_preset("tiny-qwen3-moe"));
+  const auto train = layout::parse_train_topology("tp=2,ep=2,dp=2");
+  const layout::SglangLayout recv(hf, layout::parse_infer_topology("tp=2,replicas=2"));
+  sim::SyntheticTrainer trainer(hf, train, recv, {.seed = 11, .lr = 2e-4});
+  const int senders = static_cast<int>(train.world());
+  const int receivers = static_cast<int>(recv.topology().ranks());
+  const int world = senders + receivers;
+  for (const int every : {1, 3}) {
+    INFO("publish every " << every);
+    EngineConfig config;
+    config.publish_every = every;
+    LoopbackWorld host_world(senders, receivers, std::chrono::seconds(30)),
+        device_world(senders, receivers, std::chrono::seconds(30));
+    std::vector<std::vector<SyncReport>> host_reports(static_cast<std::size_t>(world)),
+        device_reports(static_cast<std::size_t>(world));
+    std::vector<std::vector<std::vector<std::uint16_t>>> device_final(
+        static_cast<std::size_t>(world));
+    std::vector<std::string> failures(static_cast<std::size_t>(2 * world));
+    std::atomic<int> arrived{0}, generation{0};
+    std::atomic<bool> failed{false};
+    auto barrier = [&] {  // 2 * world threads; the last one steps the trainer
+      const int g = generation.load();
+      if (arrived.fetch_add(1) + 1 == 2 * world) {
+        trainer.step();
+        arrived = 0;
+        generation.fetch_add(1);
+      } else {
+        while (generation.load() == g && !failed.load())
+          std::this_thread::yield();
+      }
+    };
+    constexpr int kSteps = 7;
+    auto run = [&](int rank, bool device) {
+      try {
+        LoopbackTwoRound t(device ? device_world : host_world, rank);
+        auto& reports = (device ? device_reports : host_reports)[static_cast<std::size_t>(rank)];
+        if (!device) {
+          std::vector<std::vector<std::uint16_t>> storage;
+          ReceiverTensors views;
+          if (t.is_receiver()) {
+            for (std::int64_t k = 0; k < recv.size(); ++k) {
+              storage.emplace_back(static_cast<std::size_t>(recv[k].numel), std::uint16_t{0});
+              views.emplace_back(storage.back());
+            }
+          }
+          DeltaEngine<AdamWInverse, BF16Detect, MegatronToHF, LoopbackTwoRound> engine(
+              hf, train, recv, config, t, views, exec::Host(1));
+          const sim::AdamWAccess access{&trainer};
+          reports.push_back(engine.publish_full(access));
+          for (int step = 1; step <= kSteps; ++step) {
+            barrier();
+            SyncReport rep;
+            if (engine.step(access, rep)) reports.push_back(rep);
+          }
+          return;
+        }
+        cudaStream_t stream{};
+        DTE_CUDA_TRY(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+        const exec::Cuda e(stream);
+        std::vector<DeviceArray<std::uint16_t>> tensors;
+        std::shared_ptr<TensorSink> sink;
+        std::optional<sim::DeviceAdamWAccess> access;
+        if (t.is_receiver()) {
+          std::vector<std::uint16_t*> pointers;
+          for (std::int64_t k = 0; k < recv.size(); ++k) {
+            tensors.push_back(
+                DeviceArray<std::uint16_t>::zeros(e, static_cast<std::size_t>(recv[k].numel)));
+            pointers.push_back(tensors.back().data());
+          }
+          sink = std::make_shared<DeviceTensors>(hf, recv, rank - senders, pointers, e);
+        } else {
+          access.emplace(trainer, rank, e);
+        }
+        {
+          DeltaEngine<AdamWInverse, BF16Detect, MegatronToHF, LoopbackTwoRound, exec::Cuda> engine(
+              hf, train, recv, config, t, sink, e);
+          auto upload = [&] {
+            if (access) access->upload();
+          };
+          const sim::DeviceAdamWAccess* a = access ? &*access : nullptr;
+          // Receivers never read the access; give them a trainer rank's shape anyway.
+          std::optional<sim::DeviceAdamWAccess> unused;
+          if (a == nullptr) a = &unused.emplace(trainer, 0, e);
+          reports.push_back(engine.publish_full(*a));
+          for (int step = 1; step <= kSteps; ++step) {
+            barrier();
+            upload();
+            SyncReport rep;
+            if (engine.step(*a, rep)) reports.push_back(rep);
+          }
+        }
+        if (t.is_receiver()) {
+          for (const auto& x : tensors)
+            device_final[static_cast<std::size_t>(rank)].push_back(x.to_host());
+        }
+        DTE_CUDA_TRY(cudaStreamDestroy(stream));
+      } catch (const std::exception& ex) {
+        failures[static_cast<std::size_t>(rank + (device ? world : 0))] = ex.what();
+        // The others must not wait at the barrier for this rank: they fail too (the loopback
+        // deadline turns their waits into errors).
+        failed = true;
+      }
+    };
+    std::vector<std::thread> threads;
+    for (int r = 0; r < world; ++r) {
+      threads.emplace_back(run, r, false);
+      threads.emplace_back(run, r, true);
+    }
+    for (std::thread& th : threads)
+      th.join();
+    for (const std::string& f : failures)
+      CHECK(f.empty());
+    REQUIRE(host_reports[0].size() == device_reports[0].size());
+    for (std::size_t p = 0; p < host_reports[0].size(); ++p) {
+      INFO("publication " << p);
+      const SyncReport& h = host_reports[0][p];
+      const SyncReport& d = device_reports[0][p];
+      CHECK(d.verified);
+      CHECK(h.verified);
+      CHECK(d.changed == h.changed);
+      CHECK(d.elements_scanned == h.elements_scanned);
+      CHECK(d.guard == h.guard);
+      CHECK(d.digest == h.digest);
+      CHECK(d.version == h.version);
+      CHECK(d.repaired.empty());
+    }
+    const std::vector<float> canonical = trainer.canonical_weights();
+    for (int r = senders; r < world; ++r) {
+      INFO("receiver " << r - senders);
+      std::vector<Digest> digest;
+      CHECK(mismatches(hf, recv, r - senders, device_final[static_cast<std::size_t>(r)], canonical,
+                       digest) == 0);
+    }
+  }
+}
+
+int main(int argc, char** argv) {
+  doctest::Context context(argc, argv);
+  if (dte::cuda::device_count() == 0) {
+    std::printf("no CUDA device: skipped (exit %d)\n", kSkipCode);
+    return kSkipCode;
+  }
+  return context.run();
+}
