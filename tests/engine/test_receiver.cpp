@@ -6,6 +6,8 @@
 // refusal leaves tensors, version and digest untouched and says why in a structured refusal.
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -239,4 +241,74 @@ TEST_CASE("a full publication must write every live element exactly once") {
   repair.runs.push_back({1, 4, std::vector<std::uint16_t>(3, 0x4242)});
   REQUIRE(f.rx.apply(0, {{1, wire::encode(repair)}}).committed());
   CHECK(f.rx.digest() == f.digest_of_tensors());
+}
+
+namespace {
+
+// Host memory behind the sink interface, as DeviceTensors keeps device memory: the writes of a
+// commit, the digest moved by what they overwrite and write.
+class HostSink : public TensorSink {
+ public:
+  HostSink(const layout::HfModel& hf, const layout::SglangLayout& recv, std::int64_t rank)
+      : hf_(&hf),
+        recv_(&recv),
+        ts_(rank % recv.topology().tp),
+        tensors(ReceiverFixture::make_storage(recv)),
+        digest_(static_cast<std::size_t>(hf.size()), 0) {}
+
+  void commit(const WriteBatch& b) override {
+    ++commits;
+    if (b.full) std::fill(digest_.begin(), digest_.end(), Digest{0});
+    for (std::size_t k = 0; k < b.bits.size(); ++k) {
+      std::uint16_t& cell = tensors[b.tensor[k]][b.index[k]];
+      const layout::Canonical c = recv_->source({ts_, b.tensor[k], b.index[k]});
+      const std::int64_t g = (*hf_)[c.tensor].base + c.index;
+      digest_[static_cast<std::size_t>(c.tensor)] +=
+          element_digest(g, b.bits[k]) - (b.full ? 0 : element_digest(g, cell));
+      cell = b.bits[k];
+    }
+  }
+  [[nodiscard]] std::vector<Digest> digest() const override { return digest_; }
+
+  const layout::HfModel* hf_;
+  const layout::SglangLayout* recv_;
+  std::int64_t ts_;
+  std::vector<std::vector<std::uint16_t>> tensors;
+  std::vector<Digest> digest_;
+  int commits = 0;
+};
+
+}  // namespace
+
+TEST_CASE("tensors behind a sink: the same checks, the same writes, the same digest") {
+  ReceiverFixture f(1, 3);
+  auto sink = std::make_shared<HostSink>(f.hf, f.recv, 1);
+  Receiver behind(f.hf, f.recv, 1, 3, sink);
+  CHECK(behind.has_sink());
+  CHECK_THROWS_AS((void)behind.tensor(0), invalid_argument);
+  auto same = [&] {
+    CHECK(sink->tensors == f.storage);
+    CHECK(behind.digest() == f.rx.digest());
+    CHECK(behind.version() == f.rx.version());
+  };
+  const Inbox full = f.full_publication(0, 0x3F80);
+  REQUIRE(f.rx.apply(0, full).committed());
+  REQUIRE(behind.apply(0, full).committed());
+  same();
+  const Inbox delta = f.delta_publication(1, 0, {{1, 3, 0x4000}, {2, 7, 0x1}, {0, 0, 0x7}});
+  CHECK(f.rx.apply(1, delta).written == 3);
+  CHECK(behind.apply(1, delta).written == 3);
+  same();
+  CHECK(sink->commits == 2);
+  // A refused publication (a delta on the wrong base) reaches neither the tensors nor the sink.
+  const Inbox wrong = f.delta_publication(2, 0, {{1, 4, 0x4000}});  // base 0, 1 is held
+  CHECK(f.rx.apply(2, wrong).outcome == ApplyOutcome::refused);
+  CHECK(behind.apply(2, wrong).outcome == ApplyOutcome::refused);
+  CHECK(sink->commits == 2);
+  same();
+  // A no-op version commits an empty batch.
+  CHECK(behind.apply(2, f.noop_publication(2, 1)).committed());
+  CHECK(sink->commits == 3);
+  CHECK(behind.version() == 2);
+  CHECK_THROWS_AS(Receiver(f.hf, f.recv, 1, 3, std::shared_ptr<TensorSink>{}), invalid_argument);
 }

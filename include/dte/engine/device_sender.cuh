@@ -2,24 +2,25 @@
 // DeviceSenderRank: what one trainer rank does for a publication when its weights and optimizer
 // state are in device memory (the engine's executor is exec::Cuda). The stages run on the device
 // (pipeline/device.cuh: detect, compact, route, bucket, with the publication's one
-// synchronisation for the counts); the per-receiver buckets then come to the host (one copy per
-// array: ~10 bytes per changed element and copy, not the 12 bytes per element a host scan
-// would need) and are encoded into the wire messages there, consecutive indices as dense runs.
-// The interface is SenderRank's (engine/sender.hpp): DeltaEngine picks this class for
-// exec::Cuda through detail::sender_rank.
+// synchronisation for the counts); the per-receiver buckets then come to the host (pinned
+// memory, one synchronisation: 10 bytes per changed element and copy, not the 12 bytes per
+// element a host scan would need) and are encoded into the wire messages there
+// (wire::encode_bucket: consecutive indices as dense runs). The interface is SenderRank's
+// (engine/sender.hpp): DeltaEngine picks this class for exec::Cuda through detail::sender_rank.
 #pragma once
 
 #if !defined(__CUDACC__)
 #error "dte/engine/device_sender.cuh is the CUDA sender: compile it with nvcc and link dte::cuda"
 #endif
 
-#include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <span>
 #include <vector>
 
 #include "dte/concepts.hpp"
+#include "dte/engine/bucket_encode.hpp"
 #include "dte/engine/sender.hpp"
 #include "dte/engine/wire.hpp"
 #include "dte/exec/cuda.cuh"
@@ -60,10 +61,11 @@ class DeviceSenderRank {
       out.scanned += o.detect.scanned;
       out.changed += o.detect.flagged;
       out.guard += o.detect.guard;
+      if (mode == pipeline::ScanMode::mark) continue;  // no digest, nothing to send
       for (std::size_t t = 0; t < o.detect.digest.size(); ++t)
         out.digest[t] += o.detect.digest[t];
-      if (mode != pipeline::ScanMode::mark) out.entries += encode(o.buckets);
     }
+    if (mode != pipeline::ScanMode::mark) out.entries = encode(buffers);
     out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return out;
   }
@@ -96,7 +98,7 @@ class DeviceSenderRank {
   // Host memory held beyond the payload plus the device mask and tables (the device memory a
   // publication holds beyond them is its buckets, freed when scan() returns).
   [[nodiscard]] std::uint64_t held_bytes() const noexcept {
-    std::uint64_t n = mask_bytes() + fixed_bytes();
+    std::uint64_t n = mask_bytes() + fixed_bytes() + staging_.size();
     for (const wire::MessageWriter& w : writers_)
       n += w.capacity();
     return n;
@@ -127,33 +129,44 @@ class DeviceSenderRank {
   }
 
  private:
-  // One buffer's buckets into the messages: per receiver, in bucket order (shard order).
-  // Returns the indexed entries written.
-  std::uint64_t encode(const pipeline::device::Buckets& b) {
-    if (b.size() == 0) return 0;
-    const std::vector<std::uint32_t> tensor = b.tensor.to_host();
-    const std::vector<std::uint32_t> index = b.index.to_host();
-    const std::vector<std::uint16_t> bits = b.bits.to_host();
+  // Both buffers' buckets come to pinned host memory with one synchronisation, then into the
+  // messages: per buffer and receiver, in bucket order (shard order). Returns the indexed
+  // entries written.
+  std::uint64_t encode(const std::array<pipeline::device::BufferOutput, 2>& buffers) {
+    std::size_t bytes = 0;
+    for (const auto& o : buffers)
+      bytes += (o.buckets.size() * 10 + 7) / 8 * 8;  // each buffer's arrays 8-byte aligned
+    if (bytes == 0) return 0;
+    std::byte* h = staging_.reserve(bytes);
+    const cudaStream_t stream = pipeline_.executor().stream();
+    std::array<std::byte*, 2> at{};
+    std::size_t used = 0;
+    for (std::size_t x = 0; x < 2; ++x) {
+      const pipeline::device::Buckets& b = buffers[x].buckets;
+      at[x] = h + used;
+      const std::size_t n = b.size();
+      if (n == 0) continue;
+      DTE_CUDA_TRY(cudaMemcpyAsync(at[x], b.tensor.data(), 4 * n, cudaMemcpyDeviceToHost, stream));
+      DTE_CUDA_TRY(
+          cudaMemcpyAsync(at[x] + 4 * n, b.index.data(), 4 * n, cudaMemcpyDeviceToHost, stream));
+      DTE_CUDA_TRY(
+          cudaMemcpyAsync(at[x] + 8 * n, b.bits.data(), 2 * n, cudaMemcpyDeviceToHost, stream));
+      used += (10 * n + 7) / 8 * 8;
+    }
+    pipeline_.executor().synchronize();
     std::uint64_t entries = 0;
-    for (std::size_t d = 0; d < writers_.size(); ++d) {
-      wire::MessageWriter& w = writers_[d];
-      const std::size_t end = b.offset[d] + b.count[d];
-      for (std::size_t k = b.offset[d]; k < end;) {
-        std::size_t j = k + 1;
-        while (j < end && tensor[j] == tensor[k] && index[j] == index[j - 1] + 1)
-          ++j;
-        if (j - k >= min_run) {
-          // In pieces of at most 2^16, as the host sender's dense runs.
-          for (std::size_t at = k; at < j; at += std::size_t{1} << 16) {
-            const std::size_t n = std::min(j - at, std::size_t{1} << 16);
-            w.add_run(tensor[at], index[at], std::span<const std::uint16_t>(bits.data() + at, n));
-          }
-        } else {
-          for (std::size_t x = k; x < j; ++x)
-            w.add(tensor[x], index[x], bits[x]);
-          entries += j - k;
-        }
-        k = j;
+    for (std::size_t x = 0; x < 2; ++x) {
+      const pipeline::device::Buckets& b = buffers[x].buckets;
+      const std::size_t n = b.size();
+      if (n == 0) continue;
+      const std::span<const std::uint32_t> tensor(reinterpret_cast<const std::uint32_t*>(at[x]), n);
+      const std::span<const std::uint32_t> index(
+          reinterpret_cast<const std::uint32_t*>(at[x] + 4 * n), n);
+      const std::span<const std::uint16_t> bits(
+          reinterpret_cast<const std::uint16_t*>(at[x] + 8 * n), n);
+      for (std::size_t d = 0; d < writers_.size(); ++d) {
+        entries +=
+            wire::encode_bucket(writers_[d], tensor, index, bits, b.offset[d], b.count[d], min_run);
       }
     }
     return entries;
@@ -162,6 +175,7 @@ class DeviceSenderRank {
   const layout::HfModel* hf_;
   pipeline::device::SenderPipeline<Inverse, Detect, Plan> pipeline_;
   std::vector<wire::MessageWriter> writers_;  // one per receiver
+  exec::PinnedBuffer staging_;                // the buckets on their way to the encoder
 };
 
 namespace detail {

@@ -90,222 +90,6 @@ namespace detail {
     }                                                                     \
   } while (false)
 
-namespace dte::cuda {
-
-// The number of CUDA devices this process can use; 0 when there is none or no driver. Never
-// throws. It reads the error the failed query recorded; without a driver the runtime keeps
-// reporting cudaErrorInsufficientDriver to every later call regardless.
-inline int device_count() noexcept {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  return count;
-}
-
-// What classify and audit need of an optimizer inverse's per-element functor (P::kernel).
-template <class K>
-concept inverse_kernel = std::is_trivially_copyable_v<K> && requires(const K& k, std::size_t i) {
-  { k(i) } -> std::same_as<Reconstruction>;
-  { k.current(i) } -> std::same_as<float>;
-  { k.size() } -> std::same_as<std::size_t>;
-};
-
-// Launch shape of the per-element passes: enough resident blocks to fill every SM, then a
-// grid-stride loop, so any size (beyond 2^31 included) runs with one launch.
-struct ElementwiseLaunch {
-  static constexpr int block_threads = 256;
-  static constexpr int blocks_per_sm = 8;  // 2048 threads: a full sm_90 SM
-};
-
-namespace detail {
-
-// The audit counts of one thread, then of one block. One type for every (Detect, Kernel) pair,
-// so the whole backend instantiates a single cub::BlockReduce.
-struct AuditTally {
-  unsigned long long true_changed;
-  unsigned long long detected;
-  unsigned long long missed;
-  unsigned long long guard_extra;
-  unsigned long long first_missed;  // ULLONG_MAX: none
-  unsigned long long violations;    // breaks_bound
-  unsigned long long first_violation;
-  unsigned long long worst_ratio;  // bits of the largest bound_ratio (non-negative doubles
-                                   // order as their bit patterns)
-};
-
-struct CombineAuditTally {
-  __device__ AuditTally operator()(const AuditTally& a, const AuditTally& b) const {
-    return {a.true_changed + b.true_changed,
-            a.detected + b.detected,
-            a.missed + b.missed,
-            a.guard_extra + b.guard_extra,
-            a.first_missed < b.first_missed ? a.first_missed : b.first_missed,
-            a.violations + b.violations,
-            a.first_violation < b.first_violation ? a.first_violation : b.first_violation,
-            a.worst_ratio > b.worst_ratio ? a.worst_ratio : b.worst_ratio};
-  }
-};
-
-using AuditBlockReduce = cub::BlockReduce<AuditTally, ElementwiseLaunch::block_threads>;
-
-template <class Detect, class Kernel>
-__global__ void __launch_bounds__(ElementwiseLaunch::block_threads)
-    classify_elements(Kernel kernel, std::size_t n, Verdict* d_out) {
-  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += stride) {
-    d_out[i] = Detect::classify(kernel.current(i), kernel(i));
-  }
-}
-
-template <class Detect, class Kernel>
-__global__ void __launch_bounds__(ElementwiseLaunch::block_threads)
-    audit_elements(Kernel kernel, std::size_t n, const float* d_theta_prev, AuditTally* d_total) {
-  AuditTally mine{0, 0, 0, 0, ~0ull, 0, ~0ull, 0};
-  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += stride) {
-    const float now = kernel.current(i);
-    const bool truth = Detect::store(now) != Detect::store(d_theta_prev[i]);
-    const Reconstruction r = kernel(i);
-    const bool flagged = Detect::changed(now, r);
-    if (breaks_bound(d_theta_prev[i], r)) {
-      ++mine.violations;
-      if (i < mine.first_violation) mine.first_violation = i;
-    }
-    const auto ratio =
-        static_cast<unsigned long long>(__double_as_longlong(bound_ratio(d_theta_prev[i], r)));
-    if (ratio > mine.worst_ratio) mine.worst_ratio = ratio;
-    mine.true_changed += truth;
-    mine.detected += flagged;
-    if (truth && !flagged) {
-      ++mine.missed;
-      if (i < mine.first_missed) mine.first_missed = i;
-    }
-    mine.guard_extra += (flagged && !truth);
-  }
-  __shared__ typename AuditBlockReduce::TempStorage scratch;
-  const AuditTally block = AuditBlockReduce(scratch).Reduce(mine, CombineAuditTally{});
-  if (threadIdx.x == 0) {
-    if (block.true_changed != 0) atomicAdd(&d_total->true_changed, block.true_changed);
-    if (block.detected != 0) atomicAdd(&d_total->detected, block.detected);
-    if (block.missed != 0) atomicAdd(&d_total->missed, block.missed);
-    if (block.guard_extra != 0) atomicAdd(&d_total->guard_extra, block.guard_extra);
-    if (block.missed != 0) atomicMin(&d_total->first_missed, block.first_missed);
-    if (block.violations != 0) {
-      atomicAdd(&d_total->violations, block.violations);
-      atomicMin(&d_total->first_violation, block.first_violation);
-    }
-    if (block.worst_ratio != 0) atomicMax(&d_total->worst_ratio, block.worst_ratio);
-  }
-}
-
-inline unsigned grid_blocks(std::size_t n) {
-  int device = 0;
-  DTE_CUDA_TRY(cudaGetDevice(&device));
-  int sms = 0;
-  DTE_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const std::size_t needed =
-      (n + ElementwiseLaunch::block_threads - 1) / ElementwiseLaunch::block_threads;
-  const std::size_t resident =
-      static_cast<std::size_t>(std::max(sms, 1)) * ElementwiseLaunch::blocks_per_sm;
-  return static_cast<unsigned>(std::min(needed, resident));
-}
-
-// Refuses a pointer the current device cannot dereference (plain pageable host memory on a
-// device without pageable memory access) before a kernel faults on it and loses the context.
-inline void require_device_accessible(const char* who, const char* name, const void* p) {
-  if (p == nullptr) {
-    throw invalid_argument(std::string(who) + ": " + name +
-                           " is null; pass device memory for every element of the shard");
-  }
-  cudaPointerAttributes attributes{};
-  DTE_CUDA_TRY(cudaPointerGetAttributes(&attributes, p));
-  if (attributes.type != cudaMemoryTypeUnregistered) return;
-  int device = 0;
-  DTE_CUDA_TRY(cudaGetDevice(&device));
-  int pageable = 0;
-  DTE_CUDA_TRY(cudaDeviceGetAttribute(&pageable, cudaDevAttrPageableMemoryAccess, device));
-  if (pageable != 0) return;
-  throw invalid_argument(std::string(who) + ": " + name +
-                         " points to ordinary host memory, which this GPU cannot read; copy the "
-                         "data to device memory (cudaMalloc) or pin it (cudaHostRegister) first");
-}
-
-// Device scratch freed on the stream it was allocated on, also when an exception unwinds.
-template <class T>
-class StreamScratch {
- public:
-  explicit StreamScratch(cudaStream_t stream) : stream_(stream) {
-    DTE_CUDA_TRY(cudaMallocAsync(reinterpret_cast<void**>(&ptr_), sizeof(T), stream));
-  }
-  ~StreamScratch() { (void)cudaFreeAsync(ptr_, stream_); }
-  StreamScratch(const StreamScratch&) = delete;
-  StreamScratch& operator=(const StreamScratch&) = delete;
-
-  [[nodiscard]] T* get() const noexcept { return ptr_; }
-
- private:
-  T* ptr_ = nullptr;
-  cudaStream_t stream_;
-};
-
-}  // namespace detail
-
-// Writes Detect's verdict for every element of the shard k covers to d_out[0, k.size()).
-// Asynchronous: enqueued on stream, nothing waits for it. An empty shard launches nothing.
-template <change_detector Detect, inverse_kernel Kernel>
-void classify(const Kernel& k, Verdict* d_out, cudaStream_t stream) {
-  const std::size_t n = k.size();
-  if (n == 0) return;
-  detail::require_device_accessible("dte::cuda::classify", "d_out", d_out);
-  detail::classify_elements<Detect, Kernel>
-      <<<detail::grid_blocks(n), ElementwiseLaunch::block_threads, 0, stream>>>(k, n, d_out);
-  DTE_CUDA_TRY(cudaGetLastError());
-}
-
-// dte::audit_reconstruction on the device: d_theta_prev holds the k.size() true previous
-// weights. Synchronises stream (the counts come back to the host).
-template <change_detector Detect, inverse_kernel Kernel>
-AuditCounts audit(const Kernel& k, const float* d_theta_prev, cudaStream_t stream) {
-  const std::size_t n = k.size();
-  AuditCounts counts;
-  if (n == 0) return counts;
-  detail::require_device_accessible("dte::cuda::audit", "d_theta_prev", d_theta_prev);
-
-  detail::StreamScratch<detail::AuditTally> d_total(stream);
-  DTE_CUDA_TRY(cudaMemsetAsync(d_total.get(), 0, sizeof(detail::AuditTally), stream));
-  DTE_CUDA_TRY(
-      cudaMemsetAsync(&d_total.get()->first_missed, 0xFF, sizeof(unsigned long long), stream));
-  DTE_CUDA_TRY(
-      cudaMemsetAsync(&d_total.get()->first_violation, 0xFF, sizeof(unsigned long long), stream));
-  detail::audit_elements<Detect, Kernel>
-      <<<detail::grid_blocks(n), ElementwiseLaunch::block_threads, 0, stream>>>(k, n, d_theta_prev,
-                                                                                d_total.get());
-  DTE_CUDA_TRY(cudaGetLastError());
-  detail::AuditTally total{};
-  DTE_CUDA_TRY(
-      cudaMemcpyAsync(&total, d_total.get(), sizeof total, cudaMemcpyDeviceToHost, stream));
-  DTE_CUDA_TRY(cudaStreamSynchronize(stream));
-
-  counts.elements = n;
-  counts.true_changed = total.true_changed;
-  counts.detected = total.detected;
-  counts.missed = total.missed;
-  counts.guard_extra = total.guard_extra;
-  counts.first_missed =
-      total.missed != 0 ? static_cast<std::int64_t>(total.first_missed) : std::int64_t{-1};
-  counts.bound_violations = total.violations;
-  counts.first_violation =
-      total.violations != 0 ? static_cast<std::int64_t>(total.first_violation) : std::int64_t{-1};
-  std::memcpy(&counts.worst_bound_ratio, &total.worst_ratio, sizeof(double));
-  return counts;
-}
-
-}  // namespace dte::cuda
-
 namespace dte::exec {
 
 // Where the CUDA executor takes temporary device memory from. The default is the stream-ordered
@@ -451,7 +235,245 @@ class DeviceArray {
   T* ptr_ = nullptr;
 };
 
+// Grow-only page-locked host memory: device-to-host copies into it are truly asynchronous, so
+// several can be enqueued and waited for with one synchronisation.
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  PinnedBuffer(PinnedBuffer&& o) noexcept
+      : ptr_(std::exchange(o.ptr_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+  PinnedBuffer& operator=(PinnedBuffer&& o) noexcept {
+    if (this != &o) {
+      release();
+      ptr_ = std::exchange(o.ptr_, nullptr);
+      size_ = std::exchange(o.size_, 0);
+    }
+    return *this;
+  }
+  ~PinnedBuffer() { release(); }
+
+  // At least `bytes` of pinned memory (the old contents are not kept).
+  std::byte* reserve(std::size_t bytes) {
+    if (bytes > size_) {
+      release();
+      DTE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&ptr_), bytes));
+      size_ = bytes;
+    }
+    return ptr_;
+  }
+  [[nodiscard]] std::size_t size() const noexcept { return size_; }
+
+ private:
+  void release() noexcept {
+    if (ptr_ != nullptr) (void)cudaFreeHost(ptr_);
+    ptr_ = nullptr;
+    size_ = 0;
+  }
+  std::byte* ptr_ = nullptr;
+  std::size_t size_ = 0;
+};
+
 }  // namespace dte::exec
+
+namespace dte::cuda {
+
+// The number of CUDA devices this process can use; 0 when there is none or no driver. Never
+// throws. It reads the error the failed query recorded; without a driver the runtime keeps
+// reporting cudaErrorInsufficientDriver to every later call regardless.
+inline int device_count() noexcept {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return count;
+}
+
+// What classify and audit need of an optimizer inverse's per-element functor (P::kernel).
+template <class K>
+concept inverse_kernel = std::is_trivially_copyable_v<K> && requires(const K& k, std::size_t i) {
+  { k(i) } -> std::same_as<Reconstruction>;
+  { k.current(i) } -> std::same_as<float>;
+  { k.size() } -> std::same_as<std::size_t>;
+};
+
+// Launch shape of the per-element passes: enough resident blocks to fill every SM, then a
+// grid-stride loop, so any size (beyond 2^31 included) runs with one launch.
+struct ElementwiseLaunch {
+  static constexpr int block_threads = 256;
+  static constexpr int blocks_per_sm = 8;  // 2048 threads: a full sm_90 SM
+};
+
+namespace detail {
+
+// The audit counts of one thread, then of one block. One type for every (Detect, Kernel) pair,
+// so the whole backend instantiates a single cub::BlockReduce.
+struct AuditTally {
+  unsigned long long true_changed;
+  unsigned long long detected;
+  unsigned long long missed;
+  unsigned long long guard_extra;
+  unsigned long long first_missed;  // ULLONG_MAX: none
+  unsigned long long violations;    // breaks_bound
+  unsigned long long first_violation;
+  unsigned long long worst_ratio;  // bits of the largest bound_ratio (non-negative doubles
+                                   // order as their bit patterns)
+};
+
+struct CombineAuditTally {
+  __device__ AuditTally operator()(const AuditTally& a, const AuditTally& b) const {
+    return {a.true_changed + b.true_changed,
+            a.detected + b.detected,
+            a.missed + b.missed,
+            a.guard_extra + b.guard_extra,
+            a.first_missed < b.first_missed ? a.first_missed : b.first_missed,
+            a.violations + b.violations,
+            a.first_violation < b.first_violation ? a.first_violation : b.first_violation,
+            a.worst_ratio > b.worst_ratio ? a.worst_ratio : b.worst_ratio};
+  }
+};
+
+using AuditBlockReduce = cub::BlockReduce<AuditTally, ElementwiseLaunch::block_threads>;
+
+template <class Detect, class Kernel>
+__global__ void __launch_bounds__(ElementwiseLaunch::block_threads)
+    classify_elements(Kernel kernel, std::size_t n, Verdict* d_out) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += stride) {
+    d_out[i] = Detect::classify(kernel.current(i), kernel(i));
+  }
+}
+
+template <class Detect, class Kernel>
+__global__ void __launch_bounds__(ElementwiseLaunch::block_threads)
+    audit_elements(Kernel kernel, std::size_t n, const float* d_theta_prev, AuditTally* d_total) {
+  AuditTally mine{0, 0, 0, 0, ~0ull, 0, ~0ull, 0};
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += stride) {
+    const float now = kernel.current(i);
+    const bool truth = Detect::store(now) != Detect::store(d_theta_prev[i]);
+    const Reconstruction r = kernel(i);
+    const bool flagged = Detect::changed(now, r);
+    if (breaks_bound(d_theta_prev[i], r)) {
+      ++mine.violations;
+      if (i < mine.first_violation) mine.first_violation = i;
+    }
+    const auto ratio =
+        static_cast<unsigned long long>(__double_as_longlong(bound_ratio(d_theta_prev[i], r)));
+    if (ratio > mine.worst_ratio) mine.worst_ratio = ratio;
+    mine.true_changed += truth;
+    mine.detected += flagged;
+    if (truth && !flagged) {
+      ++mine.missed;
+      if (i < mine.first_missed) mine.first_missed = i;
+    }
+    mine.guard_extra += (flagged && !truth);
+  }
+  __shared__ typename AuditBlockReduce::TempStorage scratch;
+  const AuditTally block = AuditBlockReduce(scratch).Reduce(mine, CombineAuditTally{});
+  if (threadIdx.x == 0) {
+    if (block.true_changed != 0) atomicAdd(&d_total->true_changed, block.true_changed);
+    if (block.detected != 0) atomicAdd(&d_total->detected, block.detected);
+    if (block.missed != 0) atomicAdd(&d_total->missed, block.missed);
+    if (block.guard_extra != 0) atomicAdd(&d_total->guard_extra, block.guard_extra);
+    if (block.missed != 0) atomicMin(&d_total->first_missed, block.first_missed);
+    if (block.violations != 0) {
+      atomicAdd(&d_total->violations, block.violations);
+      atomicMin(&d_total->first_violation, block.first_violation);
+    }
+    if (block.worst_ratio != 0) atomicMax(&d_total->worst_ratio, block.worst_ratio);
+  }
+}
+
+inline unsigned grid_blocks(std::size_t n) {
+  int device = 0;
+  DTE_CUDA_TRY(cudaGetDevice(&device));
+  int sms = 0;
+  DTE_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const std::size_t needed =
+      (n + ElementwiseLaunch::block_threads - 1) / ElementwiseLaunch::block_threads;
+  const std::size_t resident =
+      static_cast<std::size_t>(std::max(sms, 1)) * ElementwiseLaunch::blocks_per_sm;
+  return static_cast<unsigned>(std::min(needed, resident));
+}
+
+// Refuses a pointer the current device cannot dereference (plain pageable host memory on a
+// device without pageable memory access) before a kernel faults on it and loses the context.
+inline void require_device_accessible(const char* who, const char* name, const void* p) {
+  if (p == nullptr) {
+    throw invalid_argument(std::string(who) + ": " + name +
+                           " is null; pass device memory for every element of the shard");
+  }
+  cudaPointerAttributes attributes{};
+  DTE_CUDA_TRY(cudaPointerGetAttributes(&attributes, p));
+  if (attributes.type != cudaMemoryTypeUnregistered) return;
+  int device = 0;
+  DTE_CUDA_TRY(cudaGetDevice(&device));
+  int pageable = 0;
+  DTE_CUDA_TRY(cudaDeviceGetAttribute(&pageable, cudaDevAttrPageableMemoryAccess, device));
+  if (pageable != 0) return;
+  throw invalid_argument(std::string(who) + ": " + name +
+                         " points to ordinary host memory, which this GPU cannot read; copy the "
+                         "data to device memory (cudaMalloc) or pin it (cudaHostRegister) first");
+}
+
+}  // namespace detail
+
+// Writes Detect's verdict for every element of the shard k covers to d_out[0, k.size()).
+// Asynchronous: enqueued on stream, nothing waits for it. An empty shard launches nothing.
+template <change_detector Detect, inverse_kernel Kernel>
+void classify(const Kernel& k, Verdict* d_out, cudaStream_t stream) {
+  const std::size_t n = k.size();
+  if (n == 0) return;
+  detail::require_device_accessible("dte::cuda::classify", "d_out", d_out);
+  detail::classify_elements<Detect, Kernel>
+      <<<detail::grid_blocks(n), ElementwiseLaunch::block_threads, 0, stream>>>(k, n, d_out);
+  DTE_CUDA_TRY(cudaGetLastError());
+}
+
+// dte::audit_reconstruction on the device: d_theta_prev holds the k.size() true previous
+// weights. Synchronises stream (the counts come back to the host).
+template <change_detector Detect, inverse_kernel Kernel>
+AuditCounts audit(const Kernel& k, const float* d_theta_prev, cudaStream_t stream) {
+  const std::size_t n = k.size();
+  AuditCounts counts;
+  if (n == 0) return counts;
+  detail::require_device_accessible("dte::cuda::audit", "d_theta_prev", d_theta_prev);
+
+  const exec::DeviceArray<detail::AuditTally> d_total(exec::Cuda(stream), 1);
+  DTE_CUDA_TRY(cudaMemsetAsync(d_total.data(), 0, sizeof(detail::AuditTally), stream));
+  DTE_CUDA_TRY(
+      cudaMemsetAsync(&d_total.data()->first_missed, 0xFF, sizeof(unsigned long long), stream));
+  DTE_CUDA_TRY(
+      cudaMemsetAsync(&d_total.data()->first_violation, 0xFF, sizeof(unsigned long long), stream));
+  detail::audit_elements<Detect, Kernel>
+      <<<detail::grid_blocks(n), ElementwiseLaunch::block_threads, 0, stream>>>(k, n, d_theta_prev,
+                                                                                d_total.data());
+  DTE_CUDA_TRY(cudaGetLastError());
+  detail::AuditTally total{};
+  DTE_CUDA_TRY(
+      cudaMemcpyAsync(&total, d_total.data(), sizeof total, cudaMemcpyDeviceToHost, stream));
+  DTE_CUDA_TRY(cudaStreamSynchronize(stream));
+
+  counts.elements = n;
+  counts.true_changed = total.true_changed;
+  counts.detected = total.detected;
+  counts.missed = total.missed;
+  counts.guard_extra = total.guard_extra;
+  counts.first_missed =
+      total.missed != 0 ? static_cast<std::int64_t>(total.first_missed) : std::int64_t{-1};
+  counts.bound_violations = total.violations;
+  counts.first_violation =
+      total.violations != 0 ? static_cast<std::int64_t>(total.first_violation) : std::int64_t{-1};
+  std::memcpy(&counts.worst_bound_ratio, &total.worst_ratio, sizeof(double));
+  return counts;
+}
+
+}  // namespace dte::cuda
 
 namespace dte {
 using CudaExecutor = exec::Cuda;

@@ -37,6 +37,7 @@
 #include <bit>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <span>
 #include <string>
 #include <vector>
@@ -160,14 +161,16 @@ __global__ void __launch_bounds__(block_threads)
       const unsigned hits = __ballot_sync(0xFFFFFFFFu, hit);
       bool go = hit;
       if (mask != nullptr && mode != ScanMode::all) {
-        if (lane == 0) or_bits(mask, o0, hits);
         if (mode == ScanMode::mask) {
-          __syncwarp();
-          // Bits of other warps' elements may change meanwhile; ours do not.
-          const bool marked = here && sent && ((mask[o >> 6] >> (o & 63)) & 1u);
-          go = marked;
-          const unsigned clear = __ballot_sync(0xFFFFFFFFu, marked);
+          // Send what this step changed or an earlier step of the window marked, then clear
+          // the marks (the host's "OR in, send the mark, clear" in one step). Only this warp
+          // ever changes these bits in this launch, so the load sees the earlier launches'.
+          const bool was = here && sent && ((mask[o >> 6] >> (o & 63)) & 1u);
+          go = hit || was;
+          const unsigned clear = __ballot_sync(0xFFFFFFFFu, was);
           if (lane == 0) clear_bits(mask, o0, clear);
+        } else {
+          if (lane == 0) or_bits(mask, o0, hits);
         }
       }
       if (mode == ScanMode::mark) continue;
@@ -265,59 +268,109 @@ __global__ void __launch_bounds__(block_threads)
 // What stage 1 found, on the host after the one synchronisation.
 struct DetectResult {
   std::uint64_t flagged = 0, guard = 0, entries = 0, scanned = 0;
-  std::int64_t invalid_segment = -1;        // the plan segment of the first refused element, or -1
-  std::vector<Digest> digest;               // per canonical tensor
-  std::vector<std::uint64_t> per_receiver;  // routed entries per receiver
+  std::uint64_t first_invalid_item = ~0ull;  // the work item of the first refused element
+  std::int64_t invalid_segment = -1;         // its plan segment (invalid_segment()), or -1
+  std::vector<Digest> digest;                // per canonical tensor
+  std::vector<std::uint64_t> per_receiver;   // routed entries per receiver
 };
 
-// Stage 1 over a buffer. kernels: one per plan segment, pointing at device memory (bind with
-// Inverse::bind_unchecked on the device spans: it reads no element); theta: the buffer's device
-// weights (read in mode all). mask: K > 1, one bit per shard element (else null). send: zeroed
-// here, one bit per shard element. Synchronises the stream once (the counts).
+// The plan segment of the first refused element (-1: none), read from the device's items.
+inline std::int64_t invalid_segment(const DeviceTables& t, const DetectResult& r) {
+  if (r.first_invalid_item == ~0ull) return -1;
+  WorkItem item{};
+  DTE_CUDA_TRY(cudaMemcpy(&item, t.items.data() + r.first_invalid_item, sizeof item,
+                          cudaMemcpyDeviceToHost));
+  return item.segment;
+}
+
+// Stage 1 enqueued: its counts are copied into pinned memory on the stream and read by
+// finish() once the stream has passed them, so several buffers' detect passes share one
+// synchronisation (SenderPipeline::scan).
+class PendingDetect {
+ public:
+  PendingDetect() = default;
+
+  // Reads the counts; the caller synchronised the stream after the launch.
+  [[nodiscard]] DetectResult finish() const {
+    DetectResult r;
+    r.digest.assign(canonical_tensors_, 0);
+    r.per_receiver.assign(receivers_, 0);
+    if (!launched_) return r;
+    const auto* p = reinterpret_cast<const std::byte*>(host_ptr_);
+    DetectTotals totals{};
+    std::memcpy(&totals, p, sizeof totals);
+    std::memcpy(r.digest.data(), p + digest_at(), canonical_tensors_ * sizeof(Digest));
+    std::memcpy(r.per_receiver.data(), p + receivers_at(), receivers_ * 8);
+    r.flagged = totals.flagged;
+    r.guard = totals.guard;
+    r.entries = totals.entries;
+    r.scanned = totals.scanned;
+    r.first_invalid_item = totals.first_invalid_item;
+    return r;
+  }
+
+ private:
+  template <change_detector Detect, class Kernel>
+  friend PendingDetect detect_async(const exec::Cuda&, const DeviceTables&, const Kernel*,
+                                    const float*, ScanMode, std::uint64_t*, std::uint64_t*,
+                                    std::size_t, std::size_t, exec::PinnedBuffer&);
+
+  [[nodiscard]] std::size_t digest_at() const noexcept { return sizeof(DetectTotals); }
+  [[nodiscard]] std::size_t receivers_at() const noexcept {
+    return (digest_at() + canonical_tensors_ * sizeof(Digest) + 7) / 8 * 8;
+  }
+  [[nodiscard]] std::size_t bytes() const noexcept { return receivers_at() + receivers_ * 8; }
+
+  bool launched_ = false;
+  std::size_t canonical_tensors_ = 0, receivers_ = 0;
+  DeviceArray<std::byte> counts_;  // the same layout as the pinned copy
+  const std::byte* host_ptr_ = nullptr;
+};
+
+// Stage 1 over a buffer, enqueued. kernels: one per plan segment, pointing at device memory
+// (bind with Inverse::bind_unchecked on the device spans: it reads no element); theta: the
+// buffer's device weights (read in mode all). mask: K > 1, one bit per shard element (else
+// null). send: zeroed here, one bit per shard element. pinned: where the counts land (one
+// buffer per pending pass, alive until finish()).
+template <change_detector Detect, class Kernel>
+PendingDetect detect_async(const exec::Cuda& e, const DeviceTables& t, const Kernel* kernels,
+                           const float* theta, ScanMode mode, std::uint64_t* mask,
+                           std::uint64_t* send, std::size_t canonical_tensors,
+                           std::size_t receivers, exec::PinnedBuffer& pinned) {
+  PendingDetect p;
+  p.canonical_tensors_ = canonical_tensors;
+  p.receivers_ = receivers;
+  if (t.n_items == 0) return p;
+  const std::size_t words = (static_cast<std::size_t>(t.shard_size) + 63) / 64;
+  DTE_CUDA_TRY(cudaMemsetAsync(send, 0, words * 8, e.stream()));
+  p.counts_ = DeviceArray<std::byte>::zeros(e, p.bytes());
+  std::byte* d = p.counts_.data();
+  auto* totals = reinterpret_cast<DetectTotals*>(d);
+  DTE_CUDA_TRY(cudaMemsetAsync(&totals->first_invalid_item, 0xFF, 8, e.stream()));
+  const unsigned grid = dte::cuda::detail::grid_blocks(std::uint64_t{t.n_items} * block_threads);
+  detail::detect_items<Detect, Kernel><<<grid, block_threads, 0, e.stream()>>>(
+      t.items.data(), t.n_items, t.runs.data(), t.targets.data(), kernels, theta, mode, mask, send,
+      totals, reinterpret_cast<Digest*>(d + p.digest_at()),
+      reinterpret_cast<unsigned long long*>(d + p.receivers_at()));
+  DTE_CUDA_TRY(cudaGetLastError());
+  std::byte* h = pinned.reserve(p.bytes());
+  DTE_CUDA_TRY(cudaMemcpyAsync(h, d, p.bytes(), cudaMemcpyDeviceToHost, e.stream()));
+  p.host_ptr_ = h;
+  p.launched_ = true;
+  return p;
+}
+
+// Stage 1 with its own synchronisation (one buffer alone: tests, benchmarks).
 template <change_detector Detect, class Kernel>
 DetectResult detect(const exec::Cuda& e, const DeviceTables& t, const Kernel* kernels,
                     const float* theta, ScanMode mode, std::uint64_t* mask, std::uint64_t* send,
                     std::size_t canonical_tensors, std::size_t receivers) {
-  const std::size_t words = (static_cast<std::size_t>(t.shard_size) + 63) / 64;
-  DetectResult r;
-  r.digest.assign(canonical_tensors, 0);
-  r.per_receiver.assign(receivers, 0);
-  if (t.n_items == 0) return r;
-  DTE_CUDA_TRY(cudaMemsetAsync(send, 0, words * 8, e.stream()));
-  auto totals = DeviceArray<DetectTotals>::zeros(e, 1);
-  DTE_CUDA_TRY(cudaMemsetAsync(&totals.data()->first_invalid_item, 0xFF, 8, e.stream()));
-  auto digest = DeviceArray<Digest>::zeros(e, canonical_tensors);
-  auto per_receiver = DeviceArray<unsigned long long>::zeros(e, receivers);
-  const unsigned grid = dte::cuda::detail::grid_blocks(std::uint64_t{t.n_items} * block_threads);
-  detail::detect_items<Detect, Kernel><<<grid, block_threads, 0, e.stream()>>>(
-      t.items.data(), t.n_items, t.runs.data(), t.targets.data(), kernels, theta, mode, mask, send,
-      totals.data(), digest.data(), per_receiver.data());
-  DTE_CUDA_TRY(cudaGetLastError());
-  DetectTotals host{};
-  std::vector<unsigned long long> pr(receivers);
-  DTE_CUDA_TRY(
-      cudaMemcpyAsync(&host, totals.data(), sizeof host, cudaMemcpyDeviceToHost, e.stream()));
-  if (canonical_tensors != 0) {
-    DTE_CUDA_TRY(cudaMemcpyAsync(r.digest.data(), digest.data(), digest.bytes(),
-                                 cudaMemcpyDeviceToHost, e.stream()));
-  }
-  if (receivers != 0) {
-    DTE_CUDA_TRY(cudaMemcpyAsync(pr.data(), per_receiver.data(), per_receiver.bytes(),
-                                 cudaMemcpyDeviceToHost, e.stream()));
-  }
-  e.synchronize();  // the publication's one synchronisation
-  r.flagged = host.flagged;
-  r.guard = host.guard;
-  r.entries = host.entries;
-  r.scanned = host.scanned;
-  if (host.first_invalid_item != ~0ull) {
-    WorkItem item{};
-    DTE_CUDA_TRY(cudaMemcpy(&item, t.items.data() + host.first_invalid_item, sizeof item,
-                            cudaMemcpyDeviceToHost));
-    r.invalid_segment = item.segment;
-  }
-  for (std::size_t i = 0; i < receivers; ++i)
-    r.per_receiver[i] = pr[i];
+  exec::PinnedBuffer pinned;
+  const PendingDetect p = detect_async<Detect>(e, t, kernels, theta, mode, mask, send,
+                                               canonical_tensors, receivers, pinned);
+  e.synchronize();
+  DetectResult r = p.finish();
+  r.invalid_segment = invalid_segment(t, r);
   return r;
 }
 
@@ -576,9 +629,13 @@ class SenderPipeline {
     return n;
   }
 
+  // Both buffers' detect passes, one synchronisation for their counts, then compact, route
+  // and bucket (enqueued; the buckets are ready once the stream passes them).
   template <class Access>
   std::array<BufferOutput, 2> scan(const Access& access, ScanMode mode) {
     std::array<BufferOutput, 2> out;
+    std::array<PendingDetect, 2> pending;
+    std::array<DeviceArray<kernel>, 2> kernels;
     for (layout::BufferKind b : buffers) {
       const int x = static_cast<int>(b);
       if (plan_.shard_size(b) == 0) continue;
@@ -593,10 +650,16 @@ class SenderPipeline {
                                       access.state(rank_, b, s), label(s)));
         }
       }
-      const auto kernels = DeviceArray<kernel>::copy_of(exec_, host_kernels);
-      out[x].detect =
-          detect<Detect>(exec_, tables_[x], kernels.data(), theta.data(), mode, mask_[x].data(),
-                         send_[x].data(), static_cast<std::size_t>(hf_->size()), receivers_);
+      kernels[x] = DeviceArray<kernel>::copy_of(exec_, host_kernels);
+      pending[x] = detect_async<Detect>(
+          exec_, tables_[x], kernels[x].data(), theta.data(), mode, mask_[x].data(),
+          send_[x].data(), static_cast<std::size_t>(hf_->size()), receivers_, pinned_[x]);
+    }
+    exec_.synchronize();  // the publication's one synchronisation: the counts
+    for (layout::BufferKind b : buffers) {
+      const int x = static_cast<int>(b);
+      out[x].detect = pending[x].finish();
+      out[x].detect.invalid_segment = invalid_segment(tables_[x], out[x].detect);
       if (out[x].detect.invalid_segment >= 0) {
         const layout::PlanSegment& s =
             plan_.segments(b)[static_cast<std::size_t>(out[x].detect.invalid_segment)];
@@ -605,7 +668,12 @@ class SenderPipeline {
                                "'s element checks (a non-finite value or moment, a negative "
                                "second moment); nothing was sent");
       }
-      if (mode == ScanMode::mark) continue;
+    }
+    if (mode == ScanMode::mark) return out;
+    for (layout::BufferKind b : buffers) {
+      const int x = static_cast<int>(b);
+      if (plan_.shard_size(b) == 0) continue;
+      const std::span<const float> theta = access.theta(rank_, b);
       const auto offsets =
           compact(exec_, send_[x].data(), plan_.shard_size(b), out[x].detect.flagged);
       out[x].buckets =
@@ -631,6 +699,7 @@ class SenderPipeline {
   exec::Cuda exec_;
   DeviceTables tables_[2];
   DeviceArray<std::uint64_t> send_[2], mask_[2];
+  exec::PinnedBuffer pinned_[2];  // the counts of each buffer's detect pass
 };
 
 }  // namespace dte::pipeline::device
