@@ -21,6 +21,7 @@
 
 #include "dte/concepts.hpp"
 #include "dte/engine/bucket_encode.hpp"
+#include "dte/engine/outbox.hpp"
 #include "dte/engine/sender.hpp"
 #include "dte/engine/wire.hpp"
 #include "dte/exec/cuda.cuh"
@@ -39,7 +40,7 @@ class DeviceSenderRank {
                    const layout::SglangLayout& receivers, std::int64_t rank, bool keep_mask,
                    exec::Cuda e)
       : hf_(&hf), pipeline_(hf, train, receivers, rank, keep_mask, e) {
-    writers_.resize(static_cast<std::size_t>(receivers.topology().ranks()));
+    outbox_ = wire::Outbox(static_cast<std::size_t>(receivers.topology().ranks()));
   }
 
   [[nodiscard]] std::int64_t rank() const noexcept { return pipeline_.rank(); }
@@ -70,42 +71,23 @@ class DeviceSenderRank {
     return out;
   }
 
-  void begin_messages() {
-    for (wire::MessageWriter& w : writers_)
-      w.begin();
-  }
+  void begin_messages() { outbox_.begin(); }
   void clear_masks() { pipeline_.clear_masks(); }
 
   std::vector<Payload> finish(MessageKind kind, Version version, Version base) {
-    std::vector<Payload> out;
-    for (wire::MessageWriter& w : writers_) {
-      w.finish(kind, version, base);
-      out.push_back(w.spans());
-    }
-    return out;
+    return outbox_.finish(kind, version, base);
   }
-  void release() {
-    for (wire::MessageWriter& w : writers_)
-      w.clear();
-  }
+  void release() { outbox_.release(); }
 
-  [[nodiscard]] std::uint64_t payload_bytes() const noexcept {
-    std::uint64_t n = 0;
-    for (const wire::MessageWriter& w : writers_)
-      n += w.size();
-    return n;
-  }
+  [[nodiscard]] std::uint64_t payload_bytes() const noexcept { return outbox_.payload_bytes(); }
   // Host memory held beyond the payload plus the device mask and tables (the device memory a
   // publication holds beyond them is its buckets, freed when scan() returns).
   [[nodiscard]] std::uint64_t held_bytes() const noexcept {
-    std::uint64_t n = mask_bytes() + fixed_bytes() + staging_.size();
-    for (const wire::MessageWriter& w : writers_)
-      n += w.capacity();
-    return n;
+    return mask_bytes() + fixed_bytes() + staging_.size() + outbox_.capacity_bytes();
   }
   [[nodiscard]] std::uint64_t mask_bytes() const noexcept { return pipeline_.mask_bytes(); }
   [[nodiscard]] std::uint64_t fixed_bytes() const noexcept {
-    return wire::MessageWriter::chunk_bytes * writers_.size() + pipeline_.table_bytes();
+    return outbox_.fixed_bytes() + pipeline_.table_bytes();
   }
 
   // Repair messages (detail::repair_messages) from the device weights, copied to the host
@@ -124,7 +106,7 @@ class DeviceSenderRank {
       }
       return std::span<const float>(host);
     };
-    return detail::repair_messages<Detect>(runs(), writers_, theta_of, bad, resync, version,
+    return detail::repair_messages<Detect>(runs(), outbox_, theta_of, bad, resync, version,
                                            std::int64_t{1} << 16);
   }
 
@@ -164,9 +146,9 @@ class DeviceSenderRank {
           reinterpret_cast<const std::uint32_t*>(at[x] + 4 * n), n);
       const std::span<const std::uint16_t> bits(
           reinterpret_cast<const std::uint16_t*>(at[x] + 8 * n), n);
-      for (std::size_t d = 0; d < writers_.size(); ++d) {
+      for (std::size_t d = 0; d < outbox_.size(); ++d) {
         entries +=
-            wire::encode_bucket(writers_[d], tensor, index, bits, b.offset[d], b.count[d], min_run);
+            wire::encode_bucket(outbox_[d], tensor, index, bits, b.offset[d], b.count[d], min_run);
       }
     }
     return entries;
@@ -174,8 +156,8 @@ class DeviceSenderRank {
 
   const layout::HfModel* hf_;
   pipeline::device::SenderPipeline<Inverse, Detect, Plan> pipeline_;
-  std::vector<wire::MessageWriter> writers_;  // one per receiver
-  exec::PinnedBuffer staging_;                // the buckets on their way to the encoder
+  wire::Outbox outbox_;         // one message per receiver
+  exec::PinnedBuffer staging_;  // the buckets on their way to the encoder
 };
 
 namespace detail {

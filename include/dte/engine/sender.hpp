@@ -25,6 +25,7 @@
 #include "dte/concepts.hpp"
 #include "dte/engine/digest.hpp"
 #include "dte/engine/message.hpp"
+#include "dte/engine/outbox.hpp"
 #include "dte/engine/wire.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/plan.hpp"
@@ -54,17 +55,16 @@ void emit_run(wire::MessageWriter& w, std::span<const float> theta, const pipeli
   }
 }
 
-// Repair messages, one per receiver (writers[d]): every element of the bad canonical tensors to
+// Repair messages, one per receiver (outbox[d]): every element of the bad canonical tensors to
 // every receiver holding it, and everything to the receivers that must resync; current values
 // (theta_of(buffer): host memory), as dense runs. Kind repair, or full for a resyncing
 // receiver; an empty repair is an empty payload.
 template <change_detector Detect, class ThetaOf>
-std::vector<Payload> repair_messages(const pipeline::RunTable& table,
-                                     std::vector<wire::MessageWriter>& writers, ThetaOf&& theta_of,
-                                     const std::vector<bool>& bad, const std::vector<bool>& resync,
-                                     Version version, std::int64_t chunk) {
-  for (wire::MessageWriter& w : writers)
-    w.begin();
+std::vector<Payload> repair_messages(const pipeline::RunTable& table, wire::Outbox& outbox,
+                                     ThetaOf&& theta_of, const std::vector<bool>& bad,
+                                     const std::vector<bool>& resync, Version version,
+                                     std::int64_t chunk) {
+  outbox.begin();
   std::vector<std::uint16_t> bits;
   for (layout::BufferKind b : {layout::BufferKind::dense, layout::BufferKind::expert}) {
     if (table.runs(b).empty()) continue;
@@ -74,13 +74,13 @@ std::vector<Payload> repair_messages(const pipeline::RunTable& table,
       const bool tensor_bad = bad[static_cast<std::size_t>(run.tensor)];
       for (const pipeline::RunTarget& t : table.targets(run)) {
         if (tensor_bad || resync[t.rank])
-          emit_run<Detect>(writers[t.rank], theta, run, t, chunk, bits);
+          emit_run<Detect>(outbox[t.rank], theta, run, t, chunk, bits);
       }
     }
   }
   std::vector<Payload> out;
-  for (std::size_t d = 0; d < writers.size(); ++d) {
-    wire::MessageWriter& w = writers[d];
+  for (std::size_t d = 0; d < outbox.size(); ++d) {
+    wire::MessageWriter& w = outbox[d];
     w.finish(resync[d] ? MessageKind::full : MessageKind::repair, version, no_version);
     const bool empty = w.entries() == 0 && w.run_elements() == 0 && !resync[d];
     out.push_back(empty ? Payload{} : w.spans());
@@ -112,7 +112,7 @@ class SenderRank {
         table_(plan_, hf, receivers),
         exec_(exec) {
     const auto n_receivers = static_cast<std::size_t>(receivers.topology().ranks());
-    writers_.resize(n_receivers);
+    outbox_ = wire::Outbox(n_receivers);
     for (layout::BufferKind b : buffers) {
       if (keep_mask) {
         masks_[idx(b)].assign((static_cast<std::size_t>(plan_.shard_size(b)) + 63) / 64, 0);
@@ -205,10 +205,7 @@ class SenderRank {
   }
 
   // Starts empty messages (header only): for a no-op version.
-  void begin_messages() {
-    for (wire::MessageWriter& w : writers_)
-      w.begin();
-  }
+  void begin_messages() { outbox_.begin(); }
 
   void clear_masks() {
     for (auto& m : masks_)
@@ -218,30 +215,14 @@ class SenderRank {
   // Closes this publication's messages and returns them, one per receiver (each at least a
   // header, so every receiver checks the version chain against every sender).
   std::vector<Payload> finish(MessageKind kind, Version version, Version base) {
-    std::vector<Payload> out;
-    for (wire::MessageWriter& w : writers_) {
-      w.finish(kind, version, base);
-      out.push_back(w.spans());
-    }
-    return out;
+    return outbox_.finish(kind, version, base);
   }
 
-  void release() {
-    for (wire::MessageWriter& w : writers_)
-      w.clear();
-  }
+  void release() { outbox_.release(); }
 
-  [[nodiscard]] std::uint64_t payload_bytes() const noexcept {
-    std::uint64_t n = 0;
-    for (const wire::MessageWriter& w : writers_)
-      n += w.size();
-    return n;
-  }
+  [[nodiscard]] std::uint64_t payload_bytes() const noexcept { return outbox_.payload_bytes(); }
   [[nodiscard]] std::uint64_t held_bytes() const noexcept {
-    std::uint64_t n = mask_bytes() + scratch_bytes();
-    for (const wire::MessageWriter& w : writers_)
-      n += w.capacity();
-    return n;
+    return mask_bytes() + scratch_bytes() + outbox_.capacity_bytes();
   }
   [[nodiscard]] std::uint64_t mask_bytes() const noexcept {
     return 8 * (masks_[0].size() + masks_[1].size());
@@ -249,8 +230,8 @@ class SenderRank {
   // Bounded by the plan, not by what changed: a partly filled chunk per receiver, the tables,
   // the kernels and the tile buffers of every executor thread.
   [[nodiscard]] std::uint64_t fixed_bytes() const noexcept {
-    return wire::MessageWriter::chunk_bytes * writers_.size() +
-           8 * static_cast<std::uint64_t>(hf_->size()) + 25 * contributed_.size() + table_.bytes() +
+    return outbox_.fixed_bytes() + 8 * static_cast<std::uint64_t>(hf_->size()) +
+           25 * contributed_.size() + table_.bytes() +
            sizeof(kernel) * (kernels_[0].capacity() + kernels_[1].capacity()) + scratch_bytes();
   }
 
@@ -369,7 +350,7 @@ class SenderRank {
       const std::size_t x = cell(e.rank[i], e.tensor[i]);
       ++flagged[x];
       if (dense_[x]) continue;
-      writers_[e.rank[i]].add(e.tensor[i], e.index[i], e.bits[i]);
+      outbox_[e.rank[i]].add(e.tensor[i], e.index[i], e.bits[i]);
       ++out.entries;
     }
   }
@@ -379,7 +360,7 @@ class SenderRank {
   std::vector<Payload> repair(const Access& access, const std::vector<bool>& bad,
                               const std::vector<bool>& resync, Version version) {
     return detail::repair_messages<Detect>(
-        table_, writers_, [&](layout::BufferKind b) { return access.theta(rank_, b); }, bad, resync,
+        table_, outbox_, [&](layout::BufferKind b) { return access.theta(rank_, b); }, bad, resync,
         version, tile);
   }
 
@@ -476,7 +457,7 @@ class SenderRank {
       const std::span<const std::uint16_t> bits(s.bits.data() + (lo - begin),
                                                 static_cast<std::size_t>(hi - lo));
       for (const pipeline::RunTarget& target : table_.targets(run)) {
-        writers_[target.rank].add_run(target.tensor, target.index + delta, bits);
+        outbox_[target.rank].add_run(target.tensor, target.index + delta, bits);
       }
     }
   }
@@ -491,7 +472,7 @@ class SenderRank {
       for (const pipeline::Run& run : table_.runs(b)) {
         for (const pipeline::RunTarget& t : table_.targets(run)) {
           if (dense_[cell(t.rank, t.tensor)]) {
-            detail::emit_run<Detect>(writers_[t.rank], theta, run, t, tile, bits);
+            detail::emit_run<Detect>(outbox_[t.rank], theta, run, t, tile, bits);
           }
         }
       }
@@ -504,10 +485,10 @@ class SenderRank {
   Plan plan_;
   pipeline::RunTable table_;
   Exec exec_;
-  std::vector<std::uint32_t> tile_run_[2];    // per buffer: the first run of each tile (+ end)
-  std::vector<kernel> kernels_[2];            // per buffer: the inverse of each plan segment
-  std::vector<std::uint64_t> masks_[2];       // K > 1: one bit per shard element, per buffer
-  std::vector<wire::MessageWriter> writers_;  // one per receiver
+  std::vector<std::uint32_t> tile_run_[2];  // per buffer: the first run of each tile (+ end)
+  std::vector<kernel> kernels_[2];          // per buffer: the inverse of each plan segment
+  std::vector<std::uint64_t> masks_[2];     // K > 1: one bit per shard element, per buffer
+  wire::Outbox outbox_;                     // one message per receiver
   std::vector<std::uint64_t> contributed_, run_count_;  // per receiver * receiver tensor
   std::vector<std::uint8_t> dense_;
   std::vector<Tile> scratch_;  // one per executor thread

@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "dte/concepts.hpp"
+#include "dte/config.hpp"
 #include "dte/engine/digest.hpp"
 #include "dte/reconstruction.hpp"
 
@@ -96,6 +97,39 @@ Digest store_piece(const float* theta, std::size_t n, std::int64_t canonical,
   return d;
 }
 
+// The rule for one element, shared by detect_scalar and the CUDA detect kernel
+// (pipeline/device.cuh): i is the element's index in the segment's kernel; canonical its
+// canonical index when its digest term counts (else < 0); send_piece whether its piece is sent
+// at all; marked whether the dirty mask held it before this step (mask mode only). What the
+// caller does with the mask: OR `hit` in (detect, mark) or clear the mark (mask).
+struct ElementVerdict {
+  bool invalid = false;  // bind would refuse it: the publication is refused
+  bool hit = false;      // this step changed it (guard band included)
+  bool guard = false;    // flagged by the guard band only
+  bool send = false;     // it goes into this publication
+  Digest term = 0;       // its digest term (0 when not digested)
+};
+
+template <change_detector Detect, class Kernel>
+DTE_HOST_DEVICE ElementVerdict detect_element(const Kernel& k, std::size_t i,
+                                              std::int64_t canonical, bool send_piece,
+                                              ScanMode mode, bool marked) noexcept {
+  ElementVerdict v;
+  if (!k.valid(i)) {
+    v.invalid = true;
+    return v;
+  }
+  if (!send_piece) return v;
+  const float now = k.current(i);
+  const Verdict c = Detect::classify(now, k(i));
+  v.hit = c != Verdict::unchanged;
+  v.guard = c == Verdict::guard;
+  if (mode == ScanMode::mark) return v;
+  v.send = v.hit || (mode == ScanMode::mask && marked);
+  if (canonical >= 0) v.term = element_digest(canonical, Detect::store(now));
+  return v;
+}
+
 // Element by element. mask: the dirty mask (bit mask_bit + j for element j), or null when
 // K = 1. out: bit out_bit + j is set for every element j to send (the caller zeroed them);
 // unused in mark mode. Stops at the first invalid element (the publication is refused).
@@ -106,30 +140,25 @@ DetectCounts detect_scalar(const Kernel& k, const Piece& piece, ScanMode mode, s
   DetectCounts c;
   const bool digest = mode != ScanMode::mark && piece.send && piece.canonical >= 0;
   for (std::size_t j = 0; j < piece.length; ++j) {
-    const std::size_t i = piece.first + j;
-    if (!k.valid(i)) {
+    const bool marked =
+        mask != nullptr && mode == ScanMode::mask && detail::get_bit(mask, mask_bit + j);
+    const ElementVerdict v = detect_element<Detect>(
+        k, piece.first + j, digest ? piece.canonical + static_cast<std::int64_t>(j) : -1,
+        piece.send, mode, marked);
+    if (v.invalid) {
       c.invalid = static_cast<std::int64_t>(j);
       return c;
     }
-    if (!piece.send) continue;
-    const float now = k.current(i);
-    const Verdict v = Detect::classify(now, k(i));
-    const bool hit = v != Verdict::unchanged;
-    c.guard += v == Verdict::guard;
-    bool send = hit;
-    if (mask != nullptr) {
-      if (hit) detail::set_bit(mask, mask_bit + j);
+    c.guard += v.guard;
+    if (mask != nullptr && piece.send) {
       if (mode == ScanMode::mask) {
-        send = detail::get_bit(mask, mask_bit + j);
         detail::clear_bit(mask, mask_bit + j);
+      } else if (v.hit) {
+        detail::set_bit(mask, mask_bit + j);
       }
     }
-    if (mode == ScanMode::mark) continue;
-    if (digest) {
-      c.digest +=
-          element_digest(piece.canonical + static_cast<std::int64_t>(j), Detect::store(now));
-    }
-    if (send) {
+    c.digest += v.term;
+    if (v.send) {
       ++c.flagged;
       detail::set_bit(out, out_bit + j);
     }

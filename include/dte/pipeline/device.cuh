@@ -137,49 +137,45 @@ __global__ void __launch_bounds__(block_threads)
       const std::uint32_t j = base + threadIdx.x;
       const bool here = j < item.length;
       const std::int64_t o = item.shard_begin + j;
-      bool hit = false;
-      float now = 0;
+      // The element's verdict: detect_element (pipeline/detect.hpp), the host's rule; in
+      // mode all every sent element goes, read straight from theta.
+      ElementVerdict v;
+      bool touch = false;  // this element's mask bit changes: set (detect, mark), cleared (mask)
       if (here) {
         if (mode == ScanMode::all) {
-          now = theta[o];
-          hit = sent;
+          v.send = v.hit = sent;
+          if (sent) v.term = element_digest(item.canonical + j, Detect::store(theta[o]));
         } else {
-          const Kernel& k = kernels[item.segment];
-          const auto i = static_cast<std::size_t>(item.first + j);
-          if (!k.valid(i)) {
-            invalid = true;
-          } else if (sent) {
-            now = k.current(i);
-            const Verdict v = Detect::classify(now, k(i));
-            hit = v != Verdict::unchanged;
-            guard += v == Verdict::guard;
+          // Only this warp changes these mask bits in this launch: the load sees the earlier
+          // launches' marks.
+          const bool marked = mask != nullptr && mode == ScanMode::mask && sent &&
+                              ((mask[o >> 6] >> (o & 63)) & 1u);
+          v = detect_element<Detect>(kernels[item.segment],
+                                     static_cast<std::size_t>(item.first + j),
+                                     digested ? item.canonical + j : -1, sent, mode, marked);
+          touch = mode == ScanMode::mask ? marked : v.hit;
+          invalid = invalid || v.invalid;
+          guard += v.guard;
+        }
+      }
+      // The warp's 32 elements start at shard offset o0 (lane 0's).
+      const std::int64_t o0 = item.shard_begin + base + (threadIdx.x & ~31u);
+      if (mask != nullptr && mode != ScanMode::all) {
+        // detect, mark: OR this step's changes in; mask: clear every mark (sent now).
+        const unsigned bits = __ballot_sync(0xFFFFFFFFu, touch);
+        if (lane == 0) {
+          if (mode == ScanMode::mask) {
+            clear_bits(mask, o0, bits);
+          } else {
+            or_bits(mask, o0, bits);
           }
         }
       }
-      // The warp's 32 elements start at shard offset o of lane 0.
-      const std::int64_t o0 = item.shard_begin + base + (threadIdx.x & ~31u);
-      const unsigned hits = __ballot_sync(0xFFFFFFFFu, hit);
-      bool go = hit;
-      if (mask != nullptr && mode != ScanMode::all) {
-        if (mode == ScanMode::mask) {
-          // Send what this step changed or an earlier step of the window marked, then clear
-          // the marks (the host's "OR in, send the mark, clear" in one step). Only this warp
-          // ever changes these bits in this launch, so the load sees the earlier launches'.
-          const bool was = here && sent && ((mask[o >> 6] >> (o & 63)) & 1u);
-          go = hit || was;
-          const unsigned clear = __ballot_sync(0xFFFFFFFFu, was);
-          if (lane == 0) clear_bits(mask, o0, clear);
-        } else {
-          if (lane == 0) or_bits(mask, o0, hits);
-        }
-      }
       if (mode == ScanMode::mark) continue;
-      const unsigned out = __ballot_sync(0xFFFFFFFFu, go);
+      const unsigned out = __ballot_sync(0xFFFFFFFFu, v.send);
       if (lane == 0) or_bits(send, o0, out);
-      flagged += go;
-      if (here && digested && (mode == ScanMode::all || !invalid)) {
-        sum += element_digest(item.canonical + j, Detect::store(now));
-      }
+      flagged += v.send;
+      sum += v.term;
     }
     // The warp's sums, then one atomic per warp and counter.
     flagged = __reduce_add_sync(0xFFFFFFFFu, flagged);
