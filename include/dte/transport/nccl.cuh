@@ -123,6 +123,22 @@ struct NcclPhase {
   }
 };
 
+// A stream and an event that free themselves (also when a constructor throws half-way).
+struct OwnedStream {
+  cudaStream_t s = nullptr;
+  OwnedStream() { DTE_CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
+  ~OwnedStream() { (void)cudaStreamDestroy(s); }
+  OwnedStream(const OwnedStream&) = delete;
+  OwnedStream& operator=(const OwnedStream&) = delete;
+};
+struct OwnedEvent {
+  cudaEvent_t e = nullptr;
+  OwnedEvent() { DTE_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming)); }
+  ~OwnedEvent() { (void)cudaEventDestroy(e); }
+  OwnedEvent(const OwnedEvent&) = delete;
+  OwnedEvent& operator=(const OwnedEvent&) = delete;
+};
+
 // A grow-only device buffer.
 class DeviceBytes {
  public:
@@ -186,8 +202,6 @@ class NcclTwoRound {
                              " ranks");
     }
     (void)two_round::chunks(0, config.chunk_bytes);  // validates the chunk size
-    DTE_CUDA_TRY(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    DTE_CUDA_TRY(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
     ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
     cfg.blocking = 0;
     ncclUniqueId copy = id;
@@ -210,8 +224,6 @@ class NcclTwoRound {
         if (comm_ != nullptr) (void)ncclCommAbort(comm_);
       }
     }
-    if (event_ != nullptr) (void)cudaEventDestroy(event_);
-    if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
   }
 
   [[nodiscard]] int senders() const noexcept { return senders_; }
@@ -366,9 +378,11 @@ class NcclTwoRound {
   int senders_, receivers_, rank_;
   NcclTwoRoundConfig config_;
   Watchdog watchdog_;
+  detail::OwnedStream owned_stream_;
+  detail::OwnedEvent owned_event_;
+  cudaStream_t stream_ = owned_stream_.s;
+  cudaEvent_t event_ = owned_event_.e;
   ncclComm_t comm_ = nullptr;
-  cudaStream_t stream_ = nullptr;
-  cudaEvent_t event_ = nullptr;
   detail::DeviceBytes counts_, payload_, sums_;
 };
 
