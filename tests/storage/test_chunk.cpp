@@ -1,0 +1,244 @@
+// SPDX-License-Identifier: Apache-2.0
+// The canonical chunk codec (storage/chunk.hpp): the index gap code at its escape boundaries,
+// chunks that round trip exactly, and every refusal a reader of untrusted storage needs before
+// it may apply anything (RELIABILITY.md 6.1: F1-F3 through the zstd frame, F11/F18 unknown or
+// unpaired tensors, F16 a flipped bit, F17 indices out of range or malformed; 6.2 M12 a chunk
+// of another version or slot).
+#include <doctest/doctest.h>
+
+#include <zstd.h>
+
+#include <cstdint>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "dte/error.hpp"
+#include "dte/io/safetensors.hpp"
+#include "dte/layout/hf.hpp"
+#include "dte/layout/model.hpp"
+#include "dte/storage/chunk.hpp"
+
+using namespace dte;
+using storage::Chunk;
+using storage::TensorDelta;
+
+namespace {
+
+const layout::HfModel& model() {
+  static const layout::HfModel hf(layout::model_preset("tiny-qwen3"));
+  return hf;
+}
+
+// Random strictly increasing indices of tensor t (density about `p`), with random bits.
+TensorDelta random_delta(std::int64_t t, double p, std::mt19937_64& rng) {
+  TensorDelta d;
+  d.tensor = t;
+  const auto n = static_cast<std::uint64_t>(model()[t].numel());
+  std::bernoulli_distribution take(p);
+  for (std::uint64_t i = 0; i < n; ++i) {
+    if (!take(rng)) continue;
+    d.index.push_back(static_cast<std::uint32_t>(i));
+    d.bits.push_back(static_cast<std::uint16_t>(rng()));
+  }
+  return d;
+}
+
+Chunk sample(std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  Chunk c;
+  c.header = {7, 6, 3, 1};
+  for (std::int64_t t = 0; t < model().size(); t += 3)
+    c.tensors.push_back(random_delta(t, t % 2 == 0 ? 0.01 : 0.5, rng));
+  c.tensors.push_back({1, {}, {}});  // a tensor with nothing changed: zero-size tensors
+  return c;
+}
+
+std::vector<std::byte> compress(const std::vector<std::byte>& plain) {
+  std::vector<std::byte> out(ZSTD_compressBound(plain.size()));
+  const std::size_t n = ZSTD_compress(out.data(), out.size(), plain.data(), plain.size(), 1);
+  REQUIRE(!ZSTD_isError(n));
+  out.resize(n);
+  return out;
+}
+
+// A hand-built container with the dte metadata and the given tensors, compressed.
+std::vector<std::byte> crafted(const std::function<void(io::SafetensorsWriter&)>& add) {
+  io::SafetensorsWriter w;
+  w.set_metadata("dte.format", "chunk-v1");
+  w.set_metadata("dte.version", "7");
+  w.set_metadata("dte.base", "6");
+  w.set_metadata("dte.chunk", "0");
+  w.set_metadata("dte.writer", "0");
+  w.set_metadata("dte.encoding", "value");
+  add(w);
+  return compress(w.serialize());
+}
+
+template <class E>
+void refuses(std::span<const std::byte> bytes, const std::string& why,
+             const storage::ChunkHeader* expect = nullptr) {
+  try {
+    (void)storage::decode_chunk(model(), bytes, "chunk.zst", expect);
+    FAIL("accepted; expected a refusal saying: " << why);
+  } catch (const E& e) {
+    CHECK_MESSAGE(std::string(e.what()).find(why) != std::string::npos, e.what());
+  }
+}
+
+}  // namespace
+
+TEST_CASE("gap code: escapes at 255, exact round trip, refusals name the fault") {
+  const std::vector<std::uint32_t> idx = {0,   1,   255,      256,         511,
+                                          767, 768, 1u << 20, 0xFFFFFFFEu, 0xFFFFFFFFu};
+  std::vector<std::uint8_t> code;
+  storage::put_gaps(idx, code);
+  // gaps: 0, 0, 253, 0, 254, 255 (escaped), 0, ...
+  CHECK(code[2] == 253);
+  CHECK(code[4] == 254);
+  CHECK(code[5] == 255);
+  CHECK(storage::get_gaps(code, idx.size(), 1ull << 32, "t") == idx);
+  std::vector<std::uint8_t> bad;
+  CHECK_THROWS_AS(storage::put_gaps(std::vector<std::uint32_t>{5, 5}, bad), invalid_argument);
+  CHECK_THROWS_AS(storage::put_gaps(std::vector<std::uint32_t>{5, 4}, bad), invalid_argument);
+  CHECK_THROWS_WITH_AS(storage::get_gaps(code, idx.size(), 0xFFFFFFFFull, "t"),
+                       doctest::Contains("outside the tensor"), format_error);
+  CHECK_THROWS_WITH_AS(storage::get_gaps(code, idx.size() - 1, 1ull << 32, "t"),
+                       doctest::Contains("bytes follow the last"), format_error);
+  const std::vector<std::uint8_t> cut(code.begin(), code.begin() + 7);  // inside an escape
+  CHECK_THROWS_WITH_AS(storage::get_gaps(cut, 6, 1ull << 32, "t"),
+                       doctest::Contains("escaped but the stream ends"), format_error);
+  CHECK_THROWS_WITH_AS(storage::get_gaps(std::vector<std::uint8_t>{0, 0}, 3, 100, "t"),
+                       doctest::Contains("only 2 index bytes"), format_error);
+}
+
+TEST_CASE("a chunk round trips exactly, and says what it is") {
+  for (std::uint64_t seed : {1u, 2u, 3u}) {
+    const Chunk c = sample(seed);
+    const auto bytes = storage::encode_chunk(model(), c, 3);
+    const Chunk back = storage::decode_chunk(model(), bytes, "chunk.zst", &c.header);
+    CHECK(back.header == c.header);
+    REQUIRE(back.tensors.size() == c.tensors.size());
+    for (std::size_t k = 0; k < c.tensors.size(); ++k)
+      CHECK(back.tensors[k] == c.tensors[k]);
+    // The same bytes give the same checksum; the container opens with a plain safetensors reader.
+    CHECK(storage::checksum(bytes) == storage::checksum(storage::encode_chunk(model(), c, 3)));
+    std::vector<std::byte> plain(ZSTD_getFrameContentSize(bytes.data(), bytes.size()));
+    REQUIRE(ZSTD_decompress(plain.data(), plain.size(), bytes.data(), bytes.size()) ==
+            plain.size());
+    const io::SafetensorsFile f = io::SafetensorsFile::parse(plain, "plain");
+    CHECK(f.metadata().at("dte.format") == "chunk-v1");
+    CHECK(f.find(model().name(0) + ":index") != nullptr);
+  }
+}
+
+TEST_CASE("encode refuses what it cannot write faithfully") {
+  Chunk c;
+  c.tensors.push_back({0, {1, 2}, {7}});
+  CHECK_THROWS_AS((void)storage::encode_chunk(model(), c), invalid_argument);
+  c.tensors = {{model().size(), {}, {}}};
+  CHECK_THROWS_AS((void)storage::encode_chunk(model(), c), invalid_argument);
+  c.tensors = {{0, {static_cast<std::uint32_t>(model()[0].numel())}, {1}}};
+  CHECK_THROWS_AS((void)storage::encode_chunk(model(), c), invalid_argument);
+  c.tensors = {};
+  CHECK_THROWS_AS((void)storage::encode_chunk(model(), c, 0), invalid_argument);
+}
+
+TEST_CASE("decode refuses damaged frames before reading them (F1-F3, F16)") {
+  const auto good = storage::encode_chunk(model(), sample(9));
+  refuses<format_error>(std::span(good).first(3), "not a zstd frame");
+  refuses<format_error>(std::span(good).first(good.size() - 5), "zstd refused");
+  for (std::size_t at : {good.size() / 2, good.size() - 2}) {  // a flipped bit in the payload
+    auto flipped = good;
+    flipped[at] ^= std::byte{0x10};
+    CHECK_THROWS_AS((void)storage::decode_chunk(model(), flipped, "chunk.zst"), format_error);
+  }
+  try {
+    (void)storage::decode_chunk(model(), good, "chunk.zst", nullptr, 100);
+    FAIL("a chunk over the size limit was accepted");
+  } catch (const bounds_error& e) {
+    CHECK(std::string(e.what()).find("over the chunk limit of 100") != std::string::npos);
+  }
+  // A frame that does not state its size (streamed) is refused.
+  std::vector<std::byte> streamed(256);
+  ZSTD_CCtx* cctx = ZSTD_createCCtx();
+  ZSTD_CCtx_setParameter(cctx, ZSTD_c_contentSizeFlag, 0);
+  ZSTD_outBuffer out{streamed.data(), streamed.size(), 0};
+  const char text[] = "hello";
+  ZSTD_inBuffer in{text, sizeof text, 0};
+  REQUIRE(!ZSTD_isError(ZSTD_compressStream2(cctx, &out, &in, ZSTD_e_end)));
+  ZSTD_freeCCtx(cctx);
+  streamed.resize(out.pos);
+  refuses<format_error>(streamed, "does not state its decompressed size");
+}
+
+TEST_CASE("decode refuses a chunk of another version or slot (M12)") {
+  const Chunk c = sample(4);
+  const auto bytes = storage::encode_chunk(model(), c);
+  storage::ChunkHeader other = c.header;
+  other.chunk = 4;
+  refuses<protocol_error>(bytes, "another version or slot", &other);
+  other = c.header;
+  other.version = 8;
+  refuses<protocol_error>(bytes, "the manifest expects version 8", &other);
+}
+
+TEST_CASE("decode refuses foreign, unpaired, unknown and malformed tensors (F10, F17, F18)") {
+  const std::string embed = model().name(0);
+  const std::vector<std::uint8_t> gaps = {0, 1}, planes = {0, 0, 1, 2};
+  refuses<format_error>(
+      crafted([&](io::SafetensorsWriter& w) {
+        w.add<std::uint8_t>("model.nothing.weight:index", {2}, gaps, io::DType::U8);
+        w.add<std::uint8_t>("model.nothing.weight:value", {2, 2}, planes, io::DType::U8);
+      }),
+      "is not a tensor of tiny-qwen3");
+  refuses<format_error>(crafted([&](io::SafetensorsWriter& w) {
+                          w.add<std::uint8_t>(embed + ":index", {2}, gaps, io::DType::U8);
+                        }),
+                        "without '" + embed + ":value'");
+  refuses<format_error>(crafted([&](io::SafetensorsWriter& w) {
+                          w.add<std::uint8_t>(embed, {2}, gaps, io::DType::U8);
+                        }),
+                        "neither '<name>:index' nor '<name>:value'");
+  refuses<format_error>(crafted([&](io::SafetensorsWriter& w) {
+                          w.add<std::uint8_t>(embed + ":index", {2}, gaps, io::DType::U8);
+                          w.add<std::uint16_t>(embed + ":value", {2},
+                                               std::vector<std::uint16_t>{1, 2}, io::DType::U16);
+                        }),
+                        "must be U8 [k]");
+  // Three values, two indices: the stream ends early.
+  refuses<format_error>(crafted([&](io::SafetensorsWriter& w) {
+                          w.add<std::uint8_t>(embed + ":index", {2}, gaps, io::DType::U8);
+                          w.add<std::uint8_t>(embed + ":value", {2, 3},
+                                              std::vector<std::uint8_t>(6, 0), io::DType::U8);
+                        }),
+                        "only 2 index bytes");
+  // An index beyond the tensor (an escaped gap of 2^32 - 1).
+  refuses<format_error>(crafted([&](io::SafetensorsWriter& w) {
+                          w.add<std::uint8_t>(embed + ":index", {5},
+                                              std::vector<std::uint8_t>{255, 255, 255, 255, 255},
+                                              io::DType::U8);
+                          w.add<std::uint8_t>(embed + ":value", {2, 1},
+                                              std::vector<std::uint8_t>{0, 0}, io::DType::U8);
+                        }),
+                        "outside the tensor");
+  // Not a dte chunk, a newer format, another encoding.
+  io::SafetensorsWriter plain;
+  plain.add<std::uint8_t>("x", {1}, std::vector<std::uint8_t>{0}, io::DType::U8);
+  refuses<format_error>(compress(plain.serialize()), "lacks 'dte.format'");
+  io::SafetensorsWriter newer;
+  newer.set_metadata("dte.format", "chunk-v9");
+  refuses<format_error>(compress(newer.serialize()), "this reader reads \"chunk-v1\"");
+  io::SafetensorsWriter xor_encoded;
+  xor_encoded.set_metadata("dte.format", "chunk-v1");
+  xor_encoded.set_metadata("dte.encoding", "xor");
+  refuses<format_error>(compress(xor_encoded.serialize()), "not one this reader applies");
+  io::SafetensorsWriter bad_version;
+  for (const char* k : {"dte.base", "dte.chunk", "dte.writer"})
+    bad_version.set_metadata(k, "0");
+  bad_version.set_metadata("dte.format", "chunk-v1");
+  bad_version.set_metadata("dte.encoding", "value");
+  bad_version.set_metadata("dte.version", "-1");
+  refuses<format_error>(compress(bad_version.serialize()), "not an unsigned 64-bit decimal");
+}
