@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// Writes the seed corpus of fuzz_receiver (valid publications, a repair, a no-op, a replay) and
-// of fuzz_optimizer_dump (small AdamW and SGD dumps). Run once; the files are in the repo:
+// Writes the seed corpus of fuzz_receiver (valid publications, a repair, a no-op, a replay), of
+// fuzz_optimizer_dump (small AdamW and SGD dumps) and of fuzz_chunk (chunks as stored, and their
+// containers uncompressed). Run once; the files are in the repo:
 //   make_seeds <fuzz/corpus>
 #include <cstdio>
 #include <filesystem>
@@ -8,7 +9,10 @@
 #include <string>
 #include <vector>
 
+#include <zstd.h>
+
 #include "dte/io/safetensors.hpp"
+#include "dte/storage/chunk.hpp"
 #include "receiver_fixture.hpp"
 
 namespace {
@@ -87,6 +91,30 @@ int main(int argc, char** argv) {
     w.set_metadata("lr", "1e-05");
     w.set_metadata("weight_decay", "0.1");
     w.write(root / "optimizer_dump" / (std::string(kind) + ".safetensors"));
+  }
+  // fuzz_chunk: first byte even = the stored chunk, odd = the container before zstd.
+  std::filesystem::create_directories(root / "chunk");
+  const layout::HfModel hf(layout::model_preset("tiny-qwen3"));
+  for (std::uint32_t seed = 0; seed < 3; ++seed) {
+    storage::Chunk c;
+    c.header = {5 + seed, 4 + seed, seed, seed};
+    for (std::int64_t t = seed; t < hf.size(); t += 7) {
+      storage::TensorDelta d;
+      d.tensor = t;
+      const auto n = static_cast<std::uint32_t>(hf[t].numel());
+      for (std::uint32_t i = seed; i < n; i += 37 + 300 * (t % 3))  // gaps above 255 escape
+        d.index.push_back(i), d.bits.push_back(static_cast<std::uint16_t>(0x3C00 + i % 512));
+      c.tensors.push_back(std::move(d));
+    }
+    const auto stored = storage::encode_chunk(hf, c, 1);
+    std::vector<std::uint8_t> a{0};
+    for (std::byte b : stored)
+      a.push_back(static_cast<std::uint8_t>(b));
+    write(root / "chunk" / ("stored_" + std::to_string(seed)), a);
+    std::vector<std::uint8_t> plain(ZSTD_getFrameContentSize(stored.data(), stored.size()));
+    ZSTD_decompress(plain.data(), plain.size(), stored.data(), stored.size());
+    plain.insert(plain.begin(), 1);
+    write(root / "chunk" / ("container_" + std::to_string(seed)), plain);
   }
   return 0;
 }
