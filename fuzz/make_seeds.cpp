@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // Writes the seed corpus of fuzz_receiver (valid publications, a repair, a no-op, a replay), of
-// fuzz_optimizer_dump (small AdamW and SGD dumps) and of fuzz_chunk (chunks as stored, and their
-// containers uncompressed). Run once; the files are in the repo:
+// fuzz_optimizer_dump (small AdamW and SGD dumps), of fuzz_chunk (chunks as stored, and their
+// containers uncompressed) and of fuzz_manifest (a delta's and an anchor's manifest). Run once; the
+// files are in the repo:
 //   make_seeds <fuzz/corpus>
 #include <cstdio>
 #include <filesystem>
@@ -13,6 +14,7 @@
 
 #include "dte/io/safetensors.hpp"
 #include "dte/storage/chunk.hpp"
+#include "dte/storage/manifest.hpp"
 #include "receiver_fixture.hpp"
 
 namespace {
@@ -115,6 +117,21 @@ int main(int argc, char** argv) {
     ZSTD_decompress(plain.data(), plain.size(), stored.data(), stored.size());
     plain.insert(plain.begin(), 1);
     write(root / "chunk" / ("container_" + std::to_string(seed)), plain);
+  }
+  std::filesystem::create_directories(root / "manifest");
+  for (const bool anchor : {false, true}) {
+    storage::Manifest m;
+    m.model = hf.spec().name;
+    m.version = 9;
+    m.base = anchor ? no_version : 8;
+    m.writers = 2;
+    m.changed = anchor ? static_cast<std::uint64_t>(hf.total()) : 321;
+    m.chunks = {{"c0-w0.zst", 900, 0x1234abcd5678ef90ull, 0, 0}, {"c0-w1.zst", 512, 42, 0, 1}};
+    for (std::int64_t t = 0; t < hf.size(); ++t)
+      m.digest.push_back(static_cast<Digest>(0x85EBCA77u * static_cast<std::uint32_t>(t)));
+    const std::string text = storage::manifest_json(m);
+    write(root / "manifest" / (anchor ? "anchor.json" : "delta.json"),
+          std::vector<std::uint8_t>(text.begin(), text.end()));
   }
   return 0;
 }

@@ -55,6 +55,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dte/error.hpp"
+#include "dte/io/atomic_file.hpp"
 #include "dte/io/json.hpp"
 
 namespace dte::io {
@@ -221,31 +222,6 @@ inline std::string hex_byte(unsigned char c) {
   constexpr char digits[] = "0123456789ABCDEF";
   return std::string{'0', 'x', digits[c >> 4], digits[c & 0xF]};
 }
-
-// A string for error messages: quoted, and cut short if long.
-inline std::string errno_text(int err) {
-  return std::strerror(err);
-}
-
-// Closes a POSIX file descriptor on scope exit.
-class FdGuard {
- public:
-  explicit FdGuard(int fd) noexcept : fd_(fd) {}
-  FdGuard(const FdGuard&) = delete;
-  FdGuard& operator=(const FdGuard&) = delete;
-  ~FdGuard() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  [[nodiscard]] int get() const noexcept { return fd_; }
-  // Closes now and returns 0, or -1 with errno set.
-  int close() noexcept {
-    const int fd = std::exchange(fd_, -1);
-    return fd >= 0 ? ::close(fd) : 0;
-  }
-
- private:
-  int fd_;
-};
 
 inline std::uint64_t get_index(const nlohmann::json& v, const std::string& where,
                                const std::string& what) {
@@ -649,48 +625,10 @@ class SafetensorsWriter {
     return out;
   }
 
-  // Writes atomically: to `path` + ".tmp-<pid>", fsync, rename over `path`, fsync the directory.
-  // A reader sees the old file or the new one, never a torn one. dte::io_error on failure (the
-  // temporary file is removed).
+  // Writes atomically (io/atomic_file.hpp): a reader sees the old file or the new one, never a
+  // torn one. dte::io_error on failure (the temporary file is removed).
   void write(const std::filesystem::path& path) const {
-    const std::vector<std::byte> bytes = serialize();
-    const std::string target = path.string();
-    const std::string tmp = target + ".tmp-" + std::to_string(::getpid());
-    // Reads errno first, before anything else can change it; removes the temporary file.
-    const auto fail = [&](const char* step) {
-      const int err = errno;
-      ::unlink(tmp.c_str());
-      throw io_error("cannot write safetensors file '" + target + "': " + step + " '" + tmp +
-                     "': " + detail::errno_text(err));
-    };
-    {
-      detail::FdGuard fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-      if (fd.get() < 0) {
-        const int err = errno;  // nothing to unlink: the temporary was not created
-        throw io_error("cannot write safetensors file '" + target + "': open '" + tmp +
-                       "': " + detail::errno_text(err));
-      }
-      std::size_t done = 0;
-      while (done < bytes.size()) {
-        const ::ssize_t put = ::write(fd.get(), bytes.data() + done, bytes.size() - done);
-        if (put < 0) {
-          if (errno == EINTR) continue;
-          fail("write");
-        }
-        done += static_cast<std::size_t>(put);
-      }
-      if (::fsync(fd.get()) != 0) fail("fsync");
-      if (fd.close() != 0) fail("close");
-    }
-    if (::rename(tmp.c_str(), target.c_str()) != 0) fail("rename");
-    std::filesystem::path dir = path.parent_path();
-    if (dir.empty()) dir = ".";
-    detail::FdGuard dfd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-    if (dfd.get() < 0 || ::fsync(dfd.get()) != 0) {
-      const int err = errno;
-      throw io_error("wrote safetensors file '" + target + "' but cannot fsync its directory '" +
-                     dir.string() + "': " + detail::errno_text(err));
-    }
+    write_file_atomic(path, serialize(), "safetensors file");
   }
 
  private:

@@ -1,0 +1,98 @@
+// SPDX-License-Identifier: Apache-2.0
+// Writing a file so that a reader sees the old contents or the new, never a torn file: write to
+// `path` + ".tmp-<pid>", fsync, rename over `path`, fsync the directory (so the rename survives
+// a power loss). The safetensors writer and the storage publisher use it.
+#pragma once
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstddef>
+#include <cstring>
+#include <filesystem>
+#include <span>
+#include <string>
+#include <utility>
+
+#include "dte/error.hpp"
+
+namespace dte::io {
+
+namespace detail {
+
+inline std::string errno_text(int err) {
+  return std::strerror(err);
+}
+
+// Closes a POSIX file descriptor on scope exit.
+class FdGuard {
+ public:
+  explicit FdGuard(int fd) noexcept : fd_(fd) {}
+  FdGuard(const FdGuard&) = delete;
+  FdGuard& operator=(const FdGuard&) = delete;
+  ~FdGuard() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  [[nodiscard]] int get() const noexcept { return fd_; }
+  // Closes now and returns 0, or -1 with errno set (a deferred write error shows here).
+  int close() noexcept {
+    const int fd = std::exchange(fd_, -1);
+    return fd >= 0 ? ::close(fd) : 0;
+  }
+
+ private:
+  int fd_;
+};
+
+// fsyncs a directory (after a rename into it). dte::io_error naming `what` on failure.
+inline void fsync_directory(const std::filesystem::path& dir, const std::string& what) {
+  const std::filesystem::path d = dir.empty() ? std::filesystem::path(".") : dir;
+  FdGuard dfd(::open(d.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (dfd.get() < 0 || ::fsync(dfd.get()) != 0) {
+    const int err = errno;
+    throw io_error("wrote " + what + " but cannot fsync its directory '" + d.string() +
+                   "': " + errno_text(err));
+  }
+}
+
+}  // namespace detail
+
+// Writes `bytes` to `path` atomically (see the top of this file). `what` names the file in
+// messages ("safetensors file", "chunk"). dte::io_error on failure; the temporary is removed.
+inline void write_file_atomic(const std::filesystem::path& path, std::span<const std::byte> bytes,
+                              const std::string& what) {
+  const std::string target = path.string();
+  const std::string tmp = target + ".tmp-" + std::to_string(::getpid());
+  // Reads errno first, before anything else can change it; removes the temporary file.
+  const auto fail = [&](const char* step) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    throw io_error("cannot write " + what + " '" + target + "': " + step + " '" + tmp +
+                   "': " + detail::errno_text(err));
+  };
+  {
+    detail::FdGuard fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    if (fd.get() < 0) {
+      const int err = errno;  // nothing to unlink: the temporary was not created
+      throw io_error("cannot write " + what + " '" + target + "': open '" + tmp +
+                     "': " + detail::errno_text(err));
+    }
+    std::size_t done = 0;
+    while (done < bytes.size()) {
+      const ::ssize_t put = ::write(fd.get(), bytes.data() + done, bytes.size() - done);
+      if (put < 0) {
+        if (errno == EINTR) continue;
+        fail("write");
+      }
+      done += static_cast<std::size_t>(put);
+    }
+    if (::fsync(fd.get()) != 0) fail("fsync");
+    if (fd.close() != 0) fail("close");
+  }
+  if (::rename(tmp.c_str(), target.c_str()) != 0) fail("rename");
+  detail::fsync_directory(path.parent_path(), what + " '" + target + "'");
+}
+
+}  // namespace dte::io
