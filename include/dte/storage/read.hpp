@@ -1,0 +1,93 @@
+// SPDX-License-Identifier: Apache-2.0
+// Reading one chunk a manifest lists, as a reader of untrusted storage must (RELIABILITY.md 6.2):
+// the name is a plain file name inside the version directory (the manifest reader checked it);
+// the file is opened without following a symlink (O_NOFOLLOW: no escape from the directory) and
+// must be a regular file of exactly the listed size, checked before anything is read (a chunk
+// still being uploaded, or truncated, is refused unread); its xxh3-64 must equal the listed one
+// (a flipped bit, a chunk of another version of the same size in its place); then the chunk
+// decodes with the header the manifest implies.
+#pragma once
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstddef>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "dte/error.hpp"
+#include "dte/io/atomic_file.hpp"
+#include "dte/layout/hf.hpp"
+#include "dte/storage/chunk.hpp"
+#include "dte/storage/manifest.hpp"
+
+namespace dte::storage {
+
+// The bytes of chunk file `e` in version directory `dir`, checked against the manifest's size
+// and checksum. io_error when the file cannot be read (missing: the caller retries or refuses
+// the version); format_error when it is there but is not what the manifest says.
+inline std::vector<std::byte> read_chunk_bytes(const std::filesystem::path& dir,
+                                               const ChunkEntry& e) {
+  if (!plain_file_name(e.file)) {
+    throw bounds_error("chunk file name \"" + e.file + "\" is not a plain name; refused");
+  }
+  const std::filesystem::path path = dir / e.file;
+  const std::string name = path.string();
+  io::detail::FdGuard fd(::open(name.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+  if (fd.get() < 0) {
+    const int err = errno;
+    if (err == ELOOP) {
+      throw format_error(name +
+                         ": is a symbolic link; chunk files must be regular files inside "
+                         "the version directory");
+    }
+    throw io_error("cannot open chunk '" + name + "': " + io::detail::errno_text(err) +
+                   (err == ENOENT ? " (the manifest lists it: the version is incomplete on "
+                                    "storage; retry later or refuse the version)"
+                                  : ""));
+  }
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) {
+    const int err = errno;
+    throw io_error("cannot stat chunk '" + name + "': " + io::detail::errno_text(err));
+  }
+  if (!S_ISREG(st.st_mode)) throw format_error(name + ": not a regular file");
+  if (static_cast<std::uint64_t>(st.st_size) != e.bytes) {
+    throw format_error(name + ": " + std::to_string(st.st_size) + " bytes, the manifest lists " +
+                       std::to_string(e.bytes) +
+                       " (still being written, truncated, or replaced); not read");
+  }
+  std::vector<std::byte> bytes(static_cast<std::size_t>(e.bytes));
+  std::size_t done = 0;
+  while (done < bytes.size()) {
+    const ::ssize_t got = ::read(fd.get(), bytes.data() + done, bytes.size() - done);
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      const int err = errno;
+      throw io_error("cannot read chunk '" + name + "': " + io::detail::errno_text(err));
+    }
+    if (got == 0) {
+      throw format_error(name + ": shrank to " + std::to_string(done) + " bytes while being read");
+    }
+    done += static_cast<std::size_t>(got);
+  }
+  const std::uint64_t sum = checksum(bytes);
+  if (sum != e.xxh3) {
+    throw format_error(name + ": xxh3 " + detail::hex(sum, 16) + ", the manifest lists " +
+                       detail::hex(e.xxh3, 16) + " (corrupt, or another chunk in its place)");
+  }
+  return bytes;
+}
+
+// Chunk `e` of manifest `m`, read, verified and decoded.
+inline Chunk read_chunk(const layout::HfModel& hf, const std::filesystem::path& dir,
+                        const Manifest& m, const ChunkEntry& e) {
+  const std::vector<std::byte> bytes = read_chunk_bytes(dir, e);
+  const ChunkHeader expect{m.version, m.base, e.chunk, e.writer};
+  return decode_chunk(hf, bytes, (dir / e.file).string(), &expect);
+}
+
+}  // namespace dte::storage
