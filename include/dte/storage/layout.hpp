@@ -1,0 +1,92 @@
+// SPDX-License-Identifier: Apache-2.0
+// Where a published version lives on storage: one directory per version under the root,
+// `v<20-digit zero-padded version>` (sorts as the versions do), holding its chunks and its
+// manifest (written last); and the root's `LATEST` pointer, the newest complete version, replaced
+// atomically (io::write_file_atomic) only after the version's manifest is durable. A reader
+// trusts nothing it reads: LATEST is a bounded, exactly formatted file.
+#pragma once
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "dte/engine/message.hpp"
+#include "dte/error.hpp"
+#include "dte/io/atomic_file.hpp"
+#include "dte/storage/manifest.hpp"
+
+namespace dte::storage {
+
+inline constexpr std::string_view latest_name = "LATEST";
+inline constexpr std::string_view manifest_name = "manifest.json";
+
+// "v00000000000000000012" for version 12.
+inline std::string version_dir_name(Version v) {
+  std::string digits = std::to_string(v);
+  return "v" + std::string(20 - digits.size(), '0') + digits;
+}
+
+inline std::filesystem::path version_dir(const std::filesystem::path& root, Version v) {
+  return root / version_dir_name(v);
+}
+
+// The text of LATEST for version v: "v<20 digits>\n".
+inline std::string latest_text(Version v) {
+  return version_dir_name(v) + "\n";
+}
+
+// Points LATEST at version v (atomic replace; the caller made v's manifest durable first).
+inline void write_latest(const std::filesystem::path& root, Version v) {
+  const std::string text = latest_text(v);
+  io::write_file_atomic(root / latest_name, std::as_bytes(std::span(text)), "LATEST pointer");
+}
+
+// The version LATEST names, or nullopt when there is none yet (nothing published). format_error
+// when it is anything but exactly "v<20 digits>\n" naming a version within the limits.
+inline std::optional<Version> read_latest(const std::filesystem::path& root) {
+  const std::string name = (root / latest_name).string();
+  io::detail::FdGuard fd(::open(name.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+  if (fd.get() < 0) {
+    const int err = errno;
+    if (err == ENOENT) return std::nullopt;
+    throw io_error("cannot open '" + name + "': " + io::detail::errno_text(err));
+  }
+  char buf[64];
+  std::size_t n = 0;
+  while (n < sizeof buf) {
+    const ::ssize_t got = ::read(fd.get(), buf + n, sizeof buf - n);
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      const int err = errno;
+      throw io_error("cannot read '" + name + "': " + io::detail::errno_text(err));
+    }
+    if (got == 0) break;
+    n += static_cast<std::size_t>(got);
+  }
+  const std::string_view text(buf, n);
+  const auto refuse = [&] {
+    throw format_error(name + ": is not \"v<20 digits>\\n\" (" + std::to_string(n) +
+                       (n == sizeof buf ? "+" : "") + " bytes); not written by dte, or torn");
+  };
+  if (n != 22 || text[0] != 'v' || text[21] != '\n') refuse();
+  Version v = 0;
+  for (char c : text.substr(1, 20)) {
+    if (c < '0' || c > '9') refuse();
+    if (v > (UINT64_MAX - static_cast<Version>(c - '0')) / 10) refuse();
+    v = v * 10 + static_cast<Version>(c - '0');
+  }
+  if (v > static_cast<Version>(max_version)) {
+    throw bounds_error(name + ": version " + std::to_string(v) + " is above the limit of " +
+                       std::to_string(max_version));
+  }
+  return v;
+}
+
+}  // namespace dte::storage
