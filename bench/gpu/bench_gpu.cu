@@ -124,8 +124,7 @@ Json device_info(double& copy_bps) {
 }
 
 Json flat_shard(std::int64_t n, int repeat, double copy_bps, double peak_bps) {
-  cudaStream_t stream{};
-  DTE_CUDA_TRY(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const dte::exec::Stream stream;
   const dte::exec::Cuda e(stream);
   DeviceArray<float> theta(e, static_cast<std::size_t>(n)), m(e, static_cast<std::size_t>(n)),
       v(e, static_cast<std::size_t>(n));
@@ -231,7 +230,6 @@ Json flat_shard(std::int64_t n, int repeat, double copy_bps, double peak_bps) {
               {"apply", {{"seconds", as}, {"entries_per_s", static_cast<double>(entries) / as}}},
               {"repeat", repeat},
               {"note", "medians; bytes = 12 per element read + 1 bit per element written"}};
-  DTE_CUDA_TRY(cudaStreamDestroy(stream));
   return out;
 }
 
@@ -241,8 +239,7 @@ Json end_to_end(int deltas) {
   const auto train = layout::parse_train_topology("tp=1");
   const layout::SglangLayout recv(hf, layout::parse_infer_topology("tp=1"));
   sim::SyntheticTrainer trainer(hf, train, recv, {.lr = 1e-5});
-  cudaStream_t stream{};
-  DTE_CUDA_TRY(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const dte::exec::Stream stream;
   const exec::Cuda e(stream);
   dev::SenderPipeline<AdamWInverse, BF16Detect> sender(hf, train, recv, 0, false, e);
   sim::DeviceAdamWAccess access(trainer, 0, e);
@@ -283,7 +280,6 @@ Json end_to_end(int deltas) {
     if (p > 0) seconds.push_back(s);
     digest_equal = digest_equal && got == trainer_digest;
   }
-  DTE_CUDA_TRY(cudaStreamDestroy(stream));
   return {{"model", "small-qwen3"},
           {"elements", hf.total()},
           {"deltas", deltas},

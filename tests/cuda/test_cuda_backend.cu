@@ -65,17 +65,7 @@ class DeviceBuffer {
   T* ptr_ = nullptr;
 };
 
-class Stream {
- public:
-  Stream() { DTE_CUDA_TRY(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
-  ~Stream() { (void)cudaStreamDestroy(stream_); }
-  Stream(const Stream&) = delete;
-  Stream& operator=(const Stream&) = delete;
-  operator cudaStream_t() const noexcept { return stream_; }
-
- private:
-  cudaStream_t stream_{};
-};
+using Stream = dte::exec::Stream;
 
 unsigned resident_blocks() {
   int device = 0;

@@ -152,17 +152,7 @@ constexpr Case kCases[] = {
     {"tiny-qwen3", "tp=4,pp=2,dp=2,split=1:3,bucket=3000", "tp=4,replicas=2"},
     {"tiny-qwen3-moe", "tp=2,ep=2,dp=2", "tp=2"}};
 
-class Stream {
- public:
-  Stream() { DTE_CUDA_TRY(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }
-  ~Stream() { (void)cudaStreamDestroy(s_); }
-  Stream(const Stream&) = delete;
-  Stream& operator=(const Stream&) = delete;
-  operator cudaStream_t() const noexcept { return s_; }
-
- private:
-  cudaStream_t s_{};
-};
+using Stream = dte::exec::Stream;
 
 template <class T>
 __global__ void fill(T* p, std::size_t n, T value) {
@@ -490,8 +480,7 @@ TEST_CASE("DeltaEngine on exec::Cuda (device state, device receivers) == the hos
           }
           return;
         }
-        cudaStream_t stream{};
-        DTE_CUDA_TRY(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+        const exec::Stream stream;
         const exec::Cuda e(stream);
         std::vector<DeviceArray<std::uint16_t>> tensors;
         std::shared_ptr<TensorSink> sink;
@@ -529,7 +518,6 @@ TEST_CASE("DeltaEngine on exec::Cuda (device state, device receivers) == the hos
           for (const auto& x : tensors)
             device_final[static_cast<std::size_t>(rank)].push_back(x.to_host());
         }
-        DTE_CUDA_TRY(cudaStreamDestroy(stream));
       } catch (const std::exception& ex) {
         failures[static_cast<std::size_t>(rank + (device ? world : 0))] = ex.what();
         // The others must not wait at the barrier for this rank: they fail too (the loopback

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "dte/error.hpp"
-#include "dte/io/atomic_file.hpp"
+#include "dte/io/file.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/model.hpp"
 #include "dte/storage/read.hpp"

@@ -107,7 +107,7 @@ class DeviceSenderRank {
       return std::span<const float>(host);
     };
     return detail::repair_messages<Detect>(runs(), outbox_, theta_of, bad, resync, version,
-                                           std::int64_t{1} << 16);
+                                           static_cast<std::int64_t>(wire::dense_run_piece));
   }
 
  private:

@@ -82,12 +82,6 @@ struct WriteBatch {
   std::vector<std::uint16_t> bits;
   bool full = false;  // a full publication: the digest is rebuilt from these writes alone
 
-  void clear() noexcept {
-    tensor.clear();
-    index.clear();
-    bits.clear();
-    full = false;
-  }
   void push(std::uint32_t t, std::uint32_t i, std::uint16_t b) {
     tensor.push_back(t);
     index.push_back(i);
@@ -264,40 +258,31 @@ class Receiver {
     // The digest is the digest of the tensors' contents: a full publication (checked above to
     // write every live element exactly once) rebuilds it from the values written; every other
     // write updates it, subtracting the term of the value it overwrites.
-    if (sink_) {
-      batch_.clear();
-      batch_.full = full;
+    // Every write of the accepted messages, in message order: to the host tensors in place, or
+    // collected for the sink, which writes them all at once.
+    auto each_write = [&](auto&& put) {
       for (const auto& [src, m] : accepted) {
-        m.for_each_entry([&](const DeltaEntry& e) { batch_.push(e.tensor, e.index, e.bits); });
+        m.for_each_entry([&](const DeltaEntry& e) { put(e.tensor, e.index, e.bits); });
         m.for_each_run([&](std::uint32_t tensor, std::uint32_t index, std::uint32_t len,
                            const std::byte* bits) {
           for (std::uint32_t i = 0; i < len; ++i) {
             std::uint16_t b;
             std::memcpy(&b, bits + 2 * static_cast<std::size_t>(i), 2);
-            batch_.push(tensor, index + i, b);
+            put(tensor, index + i, b);
           }
         });
         res.written += m.entry_count() + m.run_elements();
       }
-      sink_->commit(batch_);
+    };
+    if (sink_) {
+      WriteBatch batch;  // the publication's staging, not held between publications
+      batch.full = full;
+      each_write([&](std::uint32_t t, std::uint32_t i, std::uint16_t b) { batch.push(t, i, b); });
+      sink_->commit(batch);
       digest_ = sink_->digest();
-      batch_ = WriteBatch{};  // the staging is the publication's, not held between them
-      version_ = version;
-      res.outcome = ApplyOutcome::committed;
-      return res;
-    }
-    if (full) std::fill(digest_.begin(), digest_.end(), Digest{0});
-    for (const auto& [src, m] : accepted) {
-      m.for_each_entry([&](const DeltaEntry& e) { write(e.tensor, e.index, e.bits, full); });
-      m.for_each_run(
-          [&](std::uint32_t tensor, std::uint32_t index, std::uint32_t len, const std::byte* bits) {
-            for (std::uint32_t i = 0; i < len; ++i) {
-              std::uint16_t b;
-              std::memcpy(&b, bits + 2 * static_cast<std::size_t>(i), 2);
-              write(tensor, index + i, b, full);
-            }
-          });
-      res.written += m.entry_count() + m.run_elements();
+    } else {
+      if (full) std::fill(digest_.begin(), digest_.end(), Digest{0});
+      each_write([&](std::uint32_t t, std::uint32_t i, std::uint16_t b) { write(t, i, b, full); });
     }
     version_ = version;
     res.outcome = ApplyOutcome::committed;
@@ -467,7 +452,6 @@ class Receiver {
   Version version_ = no_version;
   ReceiverTensors tensors_;              // host tensors, or
   std::shared_ptr<TensorSink> sink_;     // device tensors
-  WriteBatch batch_;                     // a sink's writes, during apply()
   std::vector<std::uint64_t> numel_;     // per tensor
   std::vector<std::uint64_t> live_end_;  // per tensor: elements beyond it are padding
   std::vector<Digest> digest_;

@@ -38,6 +38,7 @@
 #include "dte/concepts.hpp"
 #include "dte/config.hpp"
 #include "dte/error.hpp"
+#include "dte/exec/scan.hpp"
 #include "dte/numeric/fp32.hpp"
 #include "dte/reconstruction.hpp"
 
@@ -101,6 +102,19 @@ struct CudaAllocator {
   void* context = nullptr;
 };
 
+// A non-blocking CUDA stream owned for its lifetime; converts to cudaStream_t.
+class Stream {
+ public:
+  Stream() { DTE_CUDA_TRY(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
+  ~Stream() { (void)cudaStreamDestroy(stream_); }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  operator cudaStream_t() const noexcept { return stream_; }  // NOLINT: a handle
+
+ private:
+  cudaStream_t stream_{};
+};
+
 // The CUDA executor: the pipeline's device stages (pipeline/device.cuh) run on its stream, in
 // order, and take their scratch from its allocator. The executor concept's host primitives
 // (for_each, for_each_ordered, exclusive_scan) run on the calling thread: on this backend they
@@ -131,12 +145,7 @@ class Cuda {
   }
   std::uint64_t exclusive_scan(std::span<const std::uint64_t> in,
                                std::span<std::uint64_t> out) const noexcept {
-    std::uint64_t sum = 0;
-    for (std::size_t i = 0; i < in.size(); ++i) {
-      out[i] = sum;
-      sum += in[i];
-    }
-    return sum;
+    return detail::exclusive_scan(in, out);
   }
 
   // Temporary device memory, ordered on the stream (usable by work enqueued after this call).

@@ -10,6 +10,7 @@
 
 #include "dte/concepts.hpp"
 #include "dte/config.hpp"
+#include "dte/exec/scan.hpp"
 #include "dte/exec/simd_x86.hpp"
 #include "dte/pipeline/detect.hpp"
 
@@ -85,12 +86,7 @@ class Host {
   // per-tile or per-receiver counts, never per element.)
   std::uint64_t exclusive_scan(std::span<const std::uint64_t> in,
                                std::span<std::uint64_t> out) const noexcept {
-    std::uint64_t sum = 0;
-    for (std::size_t i = 0; i < in.size(); ++i) {
-      out[i] = sum;
-      sum += in[i];
-    }
-    return sum;
+    return detail::exclusive_scan(in, out);
   }
 
  private:

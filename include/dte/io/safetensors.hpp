@@ -55,7 +55,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dte/error.hpp"
-#include "dte/io/atomic_file.hpp"
+#include "dte/io/file.hpp"
 #include "dte/io/json.hpp"
 
 namespace dte::io {
@@ -255,20 +255,10 @@ class SafetensorsFile {
     if (!S_ISREG(st.st_mode)) {
       throw io_error("cannot read safetensors file '" + name + "': not a regular file");
     }
-    std::vector<std::byte> bytes(static_cast<std::size_t>(st.st_size));
-    std::size_t done = 0;
-    while (done < bytes.size()) {
-      const ::ssize_t got = ::read(fd.get(), bytes.data() + done, bytes.size() - done);
-      if (got < 0) {
-        if (errno == EINTR) continue;
-        const int err = errno;
-        throw io_error("cannot read safetensors file '" + name + "': " + detail::errno_text(err));
-      }
-      if (got == 0) break;  // the file shrank while we read it; parse what is there
-      done += static_cast<std::size_t>(got);
-    }
-    bytes.resize(done);
-    return parse(std::move(bytes), name);
+    // (a file that shrank while we read it: parse what is there)
+    return parse(detail::read_up_to(fd.get(), static_cast<std::size_t>(st.st_size),
+                                    "safetensors file", name),
+                 name);
   }
 
   // Parses and validates `bytes`; `source` names them in error messages.
@@ -625,7 +615,7 @@ class SafetensorsWriter {
     return out;
   }
 
-  // Writes atomically (io/atomic_file.hpp): a reader sees the old file or the new one, never a
+  // Writes atomically (io/file.hpp): a reader sees the old file or the new one, never a
   // torn one. dte::io_error on failure (the temporary file is removed).
   void write(const std::filesystem::path& path) const {
     write_file_atomic(path, serialize(), "safetensors file");

@@ -16,10 +16,11 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "dte/engine/message.hpp"
 #include "dte/error.hpp"
-#include "dte/io/atomic_file.hpp"
+#include "dte/io/file.hpp"
 #include "dte/storage/manifest.hpp"
 
 namespace dte::storage {
@@ -58,22 +59,14 @@ inline std::optional<Version> read_latest(const std::filesystem::path& root) {
     if (err == ENOENT) return std::nullopt;
     throw io_error("cannot open '" + name + "': " + io::detail::errno_text(err));
   }
-  char buf[64];
-  std::size_t n = 0;
-  while (n < sizeof buf) {
-    const ::ssize_t got = ::read(fd.get(), buf + n, sizeof buf - n);
-    if (got < 0) {
-      if (errno == EINTR) continue;
-      const int err = errno;
-      throw io_error("cannot read '" + name + "': " + io::detail::errno_text(err));
-    }
-    if (got == 0) break;
-    n += static_cast<std::size_t>(got);
-  }
-  const std::string_view text(buf, n);
+  constexpr std::size_t limit = 64;  // a torn or foreign file is refused after this much
+  const std::vector<std::byte> read =
+      io::detail::read_up_to(fd.get(), limit, "LATEST pointer", name);
+  const std::size_t n = read.size();
+  const std::string_view text(reinterpret_cast<const char*>(read.data()), n);
   const auto refuse = [&] {
     throw format_error(name + ": is not \"v<20 digits>\\n\" (" + std::to_string(n) +
-                       (n == sizeof buf ? "+" : "") + " bytes); not written by dte, or torn");
+                       (n == limit ? "+" : "") + " bytes); not written by dte, or torn");
   };
   if (n != 22 || text[0] != 'v' || text[21] != '\n') refuse();
   Version v = 0;

@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "dte/error.hpp"
-#include "dte/io/atomic_file.hpp"
+#include "dte/io/file.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/storage/chunk.hpp"
 #include "dte/storage/manifest.hpp"
@@ -60,19 +60,11 @@ inline std::vector<std::byte> read_chunk_bytes(const std::filesystem::path& dir,
                        std::to_string(e.bytes) +
                        " (still being written, truncated, or replaced); not read");
   }
-  std::vector<std::byte> bytes(static_cast<std::size_t>(e.bytes));
-  std::size_t done = 0;
-  while (done < bytes.size()) {
-    const ::ssize_t got = ::read(fd.get(), bytes.data() + done, bytes.size() - done);
-    if (got < 0) {
-      if (errno == EINTR) continue;
-      const int err = errno;
-      throw io_error("cannot read chunk '" + name + "': " + io::detail::errno_text(err));
-    }
-    if (got == 0) {
-      throw format_error(name + ": shrank to " + std::to_string(done) + " bytes while being read");
-    }
-    done += static_cast<std::size_t>(got);
+  const std::vector<std::byte> bytes =
+      io::detail::read_up_to(fd.get(), static_cast<std::size_t>(e.bytes), "chunk", name);
+  if (bytes.size() != e.bytes) {
+    throw format_error(name + ": shrank to " + std::to_string(bytes.size()) +
+                       " bytes while being read");
   }
   const std::uint64_t sum = checksum(bytes);
   if (sum != e.xxh3) {

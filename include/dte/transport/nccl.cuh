@@ -123,14 +123,7 @@ struct NcclPhase {
   }
 };
 
-// A stream and an event that free themselves (also when a constructor throws half-way).
-struct OwnedStream {
-  cudaStream_t s = nullptr;
-  OwnedStream() { DTE_CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
-  ~OwnedStream() { (void)cudaStreamDestroy(s); }
-  OwnedStream(const OwnedStream&) = delete;
-  OwnedStream& operator=(const OwnedStream&) = delete;
-};
+// An event that frees itself (also when a constructor throws half-way).
 struct OwnedEvent {
   cudaEvent_t e = nullptr;
   OwnedEvent() { DTE_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming)); }
@@ -370,18 +363,16 @@ class NcclTwoRound {
   // Waits until the phase's work on the stream has completed (and the communicator is healthy).
   void complete(const std::string& phase, const std::string& peers) {
     settle(phase, peers);
-    DTE_CUDA_TRY(cudaEventRecord(event_, stream_));
-    detail::NcclPhase p{&comm_, event_};
+    DTE_CUDA_TRY(cudaEventRecord(event_.e, stream_));
+    detail::NcclPhase p{&comm_, event_.e};
     watchdog_.wait(p, phase, peers);
   }
 
   int senders_, receivers_, rank_;
   NcclTwoRoundConfig config_;
   Watchdog watchdog_;
-  detail::OwnedStream owned_stream_;
-  detail::OwnedEvent owned_event_;
-  cudaStream_t stream_ = owned_stream_.s;
-  cudaEvent_t event_ = owned_event_.e;
+  exec::Stream stream_;
+  detail::OwnedEvent event_;
   ncclComm_t comm_ = nullptr;
   detail::DeviceBytes counts_, payload_, sums_;
 };

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// Writing a file so that a reader sees the old contents or the new, never a torn file: write to
-// `path` + ".tmp-<pid>", fsync, rename over `path`, fsync the directory (so the rename survives
-// a power loss). The safetensors writer and the storage publisher use it.
+// POSIX file access the readers and writers share: a descriptor guard; a bounded read loop;
+// and writing a file so that a reader sees the old contents or the new, never a torn file:
+// write to `path` + ".tmp-<pid>", fsync, rename over `path`, fsync the directory (so the rename
+// survives a power loss).
 #pragma once
 
 #include <fcntl.h>
@@ -15,6 +16,7 @@
 #include <span>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "dte/error.hpp"
 
@@ -45,6 +47,26 @@ class FdGuard {
  private:
   int fd_;
 };
+
+// Reads from fd until the end of the file or `limit` bytes, whichever comes first (EINTR is
+// retried). io_error "cannot read <what> '<name>'" when the OS refuses.
+inline std::vector<std::byte> read_up_to(int fd, std::size_t limit, const std::string& what,
+                                         const std::string& name) {
+  std::vector<std::byte> bytes(limit);
+  std::size_t done = 0;
+  while (done < bytes.size()) {
+    const ::ssize_t got = ::read(fd, bytes.data() + done, bytes.size() - done);
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      const int err = errno;
+      throw io_error("cannot read " + what + " '" + name + "': " + errno_text(err));
+    }
+    if (got == 0) break;
+    done += static_cast<std::size_t>(got);
+  }
+  bytes.resize(done);
+  return bytes;
+}
 
 // fsyncs a directory (after a rename into it). dte::io_error naming `what` on failure.
 inline void fsync_directory(const std::filesystem::path& dir, const std::string& what) {
