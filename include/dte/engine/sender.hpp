@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "dte/concepts.hpp"
@@ -204,6 +205,25 @@ class SenderRank {
     return out;
   }
 
+  // The same staged pass for shared storage (storage/publisher.hpp): detect and compact as
+  // above, then, instead of route and encode, every element to send in canonical coordinates,
+  // in shard order: emit(HF tensor, index in the unsharded tensor, bits). all: every element
+  // this rank sends. No message is built; the digest and counts are those of scan().
+  template <class Access, class Emit>
+  ScanResult scan_canonical(const Access& access, pipeline::ScanMode mode, Emit&& emit) {
+    const auto t0 = std::chrono::steady_clock::now();
+    ScanResult out;
+    if (mode != pipeline::ScanMode::mark) out.digest.assign(static_cast<std::size_t>(hf_->size()), 0);
+    std::vector<std::uint64_t> flagged;
+    for (layout::BufferKind b : buffers) {
+      if (mode != pipeline::ScanMode::all) bind(access, b);
+      scan_buffer(access, b, mode, out, flagged, &emit);
+      if (invalid_segment_ >= 0) refuse(access, b);  // throws
+    }
+    out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return out;
+  }
+
   // Starts empty messages (header only): for a no-op version.
   void begin_messages() { outbox_.begin(); }
 
@@ -340,6 +360,23 @@ class SenderRank {
                     std::span(s.bits).first(s.compacted), s.routed);
   }
 
+  // Stage 3 for storage: the compacted elements of tile t in canonical coordinates, in order.
+  template <class Emit>
+  void canonical_tile(layout::BufferKind b, std::size_t t, const Tile& s, Emit&& emit) const {
+    const auto runs = table_.runs(b);
+    std::uint32_t r = tile_run_[idx(b)][t];
+    const std::int64_t begin = static_cast<std::int64_t>(t) * tile;
+    for (std::size_t k = 0; k < s.compacted; ++k) {
+      const std::int64_t o = begin + s.offsets[k];
+      while (runs[r].shard_begin + runs[r].length <= o)
+        ++r;
+      const pipeline::Run& run = runs[r];
+      if (!run.sender || run.tensor < 0) continue;  // (detect flags neither)
+      const std::int64_t index = run.canonical - (*hf_)[run.tensor].base + (o - run.shard_begin);
+      emit(static_cast<std::uint32_t>(run.tensor), static_cast<std::uint32_t>(index), s.bits[k]);
+    }
+  }
+
   // Stage 4, in tile order: each routed entry appended to its receiver's message (the messages
   // are the buckets), except for (receiver, tensor) pairs sent dense this time; flagged counts
   // the entries per pair for the next publication's dense prediction.
@@ -401,9 +438,13 @@ class SenderRank {
                            "dte developers");
   }
 
-  template <class Access>
+  // canonical: null for messages (route, then encode into the outbox); else the storage
+  // emitter of scan_canonical (no route, no outbox).
+  template <class Access, class Canonical = std::nullptr_t>
   void scan_buffer(const Access& access, layout::BufferKind b, pipeline::ScanMode mode,
-                   ScanResult& out, std::vector<std::uint64_t>& flagged) {
+                   ScanResult& out, std::vector<std::uint64_t>& flagged,
+                   Canonical* canonical = nullptr) {
+    constexpr bool to_storage = !std::is_same_v<Canonical, std::nullptr_t>;
     using pipeline::ScanMode;
     if (plan_.shard_size(b) == 0) return;
     const std::span<const float> theta = access.theta(rank_, b);
@@ -413,7 +454,7 @@ class SenderRank {
       if (!detect_tile(theta, b, t, mode, s, stop.load(std::memory_order_relaxed))) return;
       if (mode == ScanMode::mark || mode == ScanMode::all) return;
       compact_tile(theta, b, t, s);
-      route_tile(b, t, s);
+      if constexpr (!to_storage) route_tile(b, t, s);
     };
     auto ser = [&](std::size_t t, int worker) {
       Tile& s = scratch_[static_cast<std::size_t>(worker)];
@@ -428,11 +469,19 @@ class SenderRank {
       for (const auto& [tensor, d] : s.digest)
         out.digest[static_cast<std::size_t>(tensor)] += d;
       if (mode == ScanMode::mark) return;
-      if (mode == ScanMode::all) {
+      if constexpr (to_storage) {
+        if (mode == ScanMode::all) {
+          all_canonical_tile(b, t, s, *canonical);
+        } else {
+          out.changed += s.counts.flagged;
+          out.entries += s.compacted;
+          canonical_tile(b, t, s, *canonical);
+        }
+      } else if (mode == ScanMode::all) {
         emit_tile_runs(b, t, s);
-        return;
+      } else {
+        encode_tile(s, out, flagged);
       }
-      encode_tile(s, out, flagged);
     };
     exec_.for_each_ordered(tiles(b), par, ser);
     if (mode == ScanMode::all) {
@@ -458,6 +507,26 @@ class SenderRank {
                                                 static_cast<std::size_t>(hi - lo));
       for (const pipeline::RunTarget& target : table_.targets(run)) {
         outbox_[target.rank].add_run(target.tensor, target.index + delta, bits);
+      }
+    }
+  }
+
+  // A full publication to storage: tile t's pieces of every run this rank sends, canonically.
+  template <class Emit>
+  void all_canonical_tile(layout::BufferKind b, std::size_t t, const Tile& s, Emit& emit) const {
+    const auto runs = table_.runs(b);
+    const std::int64_t begin = static_cast<std::int64_t>(t) * tile;
+    const std::int64_t end = std::min(plan_.shard_size(b), begin + tile);
+    for (std::uint32_t r = tile_run_[idx(b)][t]; r < runs.size(); ++r) {
+      const pipeline::Run& run = runs[r];
+      if (run.shard_begin >= end) break;
+      if (!run.sender || run.tensor < 0) continue;
+      const std::int64_t lo = std::max(begin, run.shard_begin);
+      const std::int64_t hi = std::min(end, run.shard_begin + run.length);
+      const std::int64_t first = run.canonical - (*hf_)[run.tensor].base + (lo - run.shard_begin);
+      for (std::int64_t o = lo; o < hi; ++o) {
+        emit(static_cast<std::uint32_t>(run.tensor), static_cast<std::uint32_t>(first + (o - lo)),
+             s.bits[static_cast<std::size_t>(o - begin)]);
       }
     }
   }

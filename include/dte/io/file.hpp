@@ -117,4 +117,24 @@ inline void write_file_atomic(const std::filesystem::path& path, std::span<const
   detail::fsync_directory(path.parent_path(), what + " '" + target + "'");
 }
 
+// Writes `bytes` to `path` only if no file of that name exists, atomically: written to a
+// temporary name and fsynced, then hard-linked to `path` (link() fails when `path` exists, so of
+// two writers racing for one name exactly one wins), the temporary removed, the directory
+// fsynced. Returns false, having written nothing under `path`, when the name was taken.
+inline bool write_file_exclusive(const std::filesystem::path& path,
+                                 std::span<const std::byte> bytes, const std::string& what) {
+  const std::string staged = path.string() + ".new-" + std::to_string(::getpid());
+  write_file_atomic(staged, bytes, what);
+  const int linked = ::link(staged.c_str(), path.c_str());
+  const int err = errno;
+  ::unlink(staged.c_str());
+  if (linked != 0) {
+    if (err == EEXIST) return false;
+    throw io_error("cannot write " + what + " '" + path.string() + "': link: " +
+                   detail::errno_text(err));
+  }
+  detail::fsync_directory(path.parent_path(), what + " '" + path.string() + "'");
+  return true;
+}
+
 }  // namespace dte::io

@@ -22,6 +22,7 @@
 #include "dte/io/file.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/storage/chunk.hpp"
+#include "dte/storage/layout.hpp"
 #include "dte/storage/manifest.hpp"
 
 namespace dte::storage {
@@ -80,6 +81,43 @@ inline Chunk read_chunk(const layout::HfModel& hf, const std::filesystem::path& 
   const std::vector<std::byte> bytes = read_chunk_bytes(dir, e);
   const ChunkHeader expect{m.version, m.base, e.chunk, e.writer};
   return decode_chunk(hf, bytes, (dir / e.file).string(), &expect);
+}
+
+// The largest manifest a reader reads (2^20 chunks of about 120 bytes each fit).
+inline constexpr std::size_t max_manifest_bytes = std::size_t{256} << 20;
+
+// The manifest of version v under `root`, read without following symlinks and parsed strictly;
+// io_error when there is none (the version is not published, or incomplete), format_error when
+// it is not a valid manifest of this model and of version v.
+inline Manifest read_manifest(const layout::HfModel& hf, const std::filesystem::path& root,
+                              Version v) {
+  const std::string name = (version_dir(root, v) / manifest_name).string();
+  io::detail::FdGuard fd(::open(name.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+  if (fd.get() < 0) {
+    const int err = errno;
+    throw io_error("cannot open manifest '" + name + "': " + io::detail::errno_text(err) +
+                   (err == ENOENT ? " (version " + std::to_string(v) +
+                                        " is not published, or not complete)"
+                                  : std::string{}));
+  }
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) {
+    throw format_error(name + ": not a regular file");
+  }
+  const std::vector<std::byte> bytes =
+      io::detail::read_up_to(fd.get(), max_manifest_bytes + 1, "manifest", name);
+  if (bytes.size() > max_manifest_bytes) {
+    throw bounds_error(name + ": over the manifest limit of " +
+                       std::to_string(max_manifest_bytes) + " bytes; refused unread");
+  }
+  Manifest m = parse_manifest(
+      std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()), name, hf);
+  if (m.version != v) {
+    throw format_error(name + ": says version " + std::to_string(m.version) +
+                       " inside the directory of version " + std::to_string(v) +
+                       " (moved or copied by hand); refused");
+  }
+  return m;
 }
 
 }  // namespace dte::storage

@@ -279,8 +279,9 @@ class LoopbackTwoRound {
 
 inline LoopbackWorld::LoopbackWorld(int senders, int receivers, std::chrono::milliseconds deadline)
     : senders_(senders), receivers_(receivers), deadline_(deadline) {
-  if (senders < 1 || receivers < 1) {
-    throw invalid_argument("LoopbackWorld: needs at least one sender and one receiver (got " +
+  // (no receivers: the writers of a storage publication, which only sum)
+  if (senders < 1 || receivers < 0) {
+    throw invalid_argument("LoopbackWorld: needs at least one sender and no negative count (got " +
                            std::to_string(senders) + " and " + std::to_string(receivers) + ")");
   }
   for (int r = 0; r < size(); ++r)

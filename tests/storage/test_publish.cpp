@@ -1,0 +1,334 @@
+// SPDX-License-Identifier: Apache-2.0
+// Cross-cluster sync end to end (storage/publisher.hpp, storage/reader.hpp): writers of a
+// sharded synthetic trainer publish to a storage root, readers of another topology follow it.
+//   * The golden invariant: after every poll every reader's tensors are bit-identical to a
+//     dense conversion of the trainer's weights of the version it holds, for readers that keep
+//     up, lag 3 versions, or start late; anchors every N versions are HF checkpoint
+//     directories.
+//   * RELIABILITY.md 6.2: M1 a missing chunk, M2 a short one, M3 regression, M4 re-delivery,
+//     M5 a gap in the chain, M6 an anchor resetting the chain, M7 chunks without a manifest,
+//     M9 a dirty reader reseeding, M12 a chunk of another version in place, M14 two publishers
+//     of one version; O1 an unchanged step as an empty delta.
+#include <doctest/doctest.h>
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "dte/error.hpp"
+#include "dte/io/file.hpp"
+#include "dte/layout/model.hpp"
+#include "dte/layout/topology.hpp"
+#include "dte/sim/access.hpp"
+#include "dte/sim/dense_check.hpp"
+#include "dte/sim/storage_cluster.hpp"
+#include "dte/sim/synthetic_trainer.hpp"
+#include "dte/storage/layout.hpp"
+#include "dte/storage/read.hpp"
+
+using namespace dte;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Dir {
+  static inline int made = 0;
+  fs::path path = fs::temp_directory_path() /
+                  ("dte-publish-" + std::to_string(::getpid()) + "-" + std::to_string(made++));
+  Dir() {
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ~Dir() { fs::remove_all(path); }
+};
+
+// A trainer, its writers and the receiver layout readers use.
+struct Setup {
+  layout::HfModel hf;
+  layout::TrainTopology train;
+  layout::SglangLayout recv;
+  sim::SyntheticTrainer trainer;
+  sim::AdamWAccess access{&trainer};
+  Dir dir;
+  sim::StorageCluster writers;
+
+  explicit Setup(storage::PublisherConfig cfg = {}, const char* model = "tiny-qwen3",
+                 const char* train_spec = "tp=2,dp=2", const char* infer_spec = "tp=2,replicas=2",
+                 double lr = 3e-5)
+      : hf(layout::model_preset(model)),
+        train(layout::parse_train_topology(train_spec)),
+        recv(hf, layout::parse_infer_topology(infer_spec)),
+        trainer(hf, train, recv, {.lr = lr, .warmup_steps = 0}),
+        writers(hf, train, dir.path, cfg, 2) {}
+
+  sim::OwnedReader reader(std::vector<std::int64_t> replicas = {0}) {
+    return sim::OwnedReader(hf, recv, dir.path, std::move(replicas));
+  }
+  std::int64_t mismatches(const sim::OwnedReader& r, const std::vector<float>& canonical) const {
+    return sim::dense_mismatches(hf, recv, canonical, r->receivers());
+  }
+};
+
+fs::path first_chunk(const fs::path& dir) {
+  for (const auto& e : fs::directory_iterator(dir)) {
+    if (e.path().extension() == ".zst") return e.path();
+  }
+  FAIL("no chunk in " << dir);
+  return {};
+}
+
+}  // namespace
+
+TEST_CASE("readers that keep up, lag 3 versions or start late end bit-identical") {
+  Setup s({.anchor_every = 5});
+  auto live = s.reader({0, 1});
+  auto lagging = s.reader({1});
+  std::vector<std::vector<float>> weights;  // by version
+  weights.push_back({});
+  const auto first = s.writers.publish(s.access);
+  CHECK(first.version == 1);
+  CHECK(first.anchor());
+  weights.push_back(s.trainer.canonical_weights());
+  for (int step = 0; step < 12; ++step) {
+    s.trainer.step();
+    const auto rep = s.writers.step(s.access);
+    REQUIRE(rep.has_value());
+    weights.push_back(s.trainer.canonical_weights());
+    CHECK(rep->version == weights.size() - 1);
+    CHECK(rep->anchor() == (rep->version % 5 == 0));
+    if (!rep->anchor()) {
+      CHECK(rep->base == rep->version - 1);
+      CHECK(rep->changed > 0);
+      CHECK(rep->bytes < rep->dense_bytes);
+    }
+    const auto got = live->poll();
+    REQUIRE_MESSAGE(got.ok(), got.error);
+    CHECK(live->version() == rep->version);
+    CHECK(s.mismatches(live, weights.back()) == 0);
+    if (rep->version > 3) {
+      const auto lag = lagging->advance(rep->version - 3);
+      REQUIRE_MESSAGE(lag.ok(), lag.error);
+      CHECK(lagging->version() == rep->version - 3);
+      CHECK(s.mismatches(lagging, weights[rep->version - 3]) == 0);
+    }
+  }
+  // The lagging reader catches up; a reader starting now replays from the newest anchor (10).
+  REQUIRE(lagging->poll().ok());
+  CHECK(s.mismatches(lagging, weights.back()) == 0);
+  auto late = s.reader({0});
+  const auto rep = late->poll();
+  REQUIRE_MESSAGE(rep.ok(), rep.error);
+  CHECK(rep.reseeded);
+  CHECK(rep.applied == std::vector<Version>{10, 11, 12, 13});
+  CHECK(s.mismatches(late, weights.back()) == 0);
+  // M4: polling again, and advancing to the version held, change nothing.
+  const auto again = late->poll();
+  CHECK(again.ok());
+  CHECK(again.applied.empty());
+  // M3: a version older than the one held is refused; the reader keeps what it holds.
+  const auto back = late->advance(12);
+  CHECK_FALSE(back.ok());
+  CHECK(back.error.find("never moves backwards") != std::string::npos);
+  CHECK(late->version() == 13);
+}
+
+TEST_CASE("an anchor is a Hugging Face checkpoint directory equal to the trainer's BF16 weights") {
+  Setup s({.anchor_file_bytes = 50'000});
+  const auto rep = s.writers.publish(s.access);
+  REQUIRE(rep.anchor());
+  const fs::path dir = storage::version_dir(s.dir.path, 1);
+  const storage::Manifest m = storage::read_manifest(s.hf, s.dir.path, 1);
+  CHECK(m.anchor());
+  CHECK(m.chunks.size() > 1);  // sharded at 50 kB
+  CHECK(fs::exists(dir / "model.safetensors.index.json"));
+  for (const auto& e : fs::directory_iterator(dir))
+    CHECK(e.path().filename().string().find("anchor-part") == std::string::npos);
+  const auto w = s.trainer.canonical_weights();
+  std::int64_t seen = 0;
+  storage::read_anchor(s.hf, dir, m, [&](std::int64_t t, const std::vector<std::uint16_t>& bits) {
+    ++seen;
+    for (std::size_t i = 0; i < bits.size(); ++i)
+      REQUIRE(bits[i] == BF16Detect::store(w[static_cast<std::size_t>(s.hf[t].base) + i]));
+  });
+  CHECK(seen == s.hf.size());
+}
+
+TEST_CASE("M1, M2, M12: a missing, short or foreign chunk is never applied") {
+  Setup s;
+  auto r = s.reader();
+  s.writers.publish(s.access);
+  REQUIRE(r->poll().ok());
+  const auto v1 = s.trainer.canonical_weights();
+  s.trainer.step();
+  s.writers.publish(s.access);
+  const fs::path dir = storage::version_dir(s.dir.path, 2);
+  const fs::path chunk = first_chunk(dir);
+  const fs::path saved = s.dir.path / "saved.zst";
+  fs::copy_file(chunk, saved);
+
+  SUBCASE("M1 missing") { fs::remove(chunk); }
+  SUBCASE("M2 short") { fs::resize_file(chunk, fs::file_size(chunk) - 1); }
+  SUBCASE("F16 a flipped bit") {
+    std::fstream f(chunk, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(fs::file_size(chunk) / 2));
+    char c = 0;
+    f.read(&c, 1);
+    c ^= 0x10;
+    f.seekp(static_cast<std::streamoff>(fs::file_size(chunk) / 2));
+    f.write(&c, 1);
+  }
+  SUBCASE("M12 another version's chunk of the same slot") {
+    s.trainer.step();
+    s.writers.publish(s.access);
+    fs::copy_file(first_chunk(storage::version_dir(s.dir.path, 3)), chunk,
+                  fs::copy_options::overwrite_existing);
+    REQUIRE(r->advance(2).ok() == false);
+    CHECK(r->version() == 1);
+    CHECK(s.mismatches(r, v1) == 0);
+    return;
+  }
+  const auto bad = r->poll();
+  CHECK_FALSE(bad.ok());
+  CHECK(bad.error.find(chunk.filename().string()) != std::string::npos);
+  CHECK(r->version() == 1);
+  CHECK_FALSE(r->dirty());
+  CHECK(s.mismatches(r, v1) == 0);
+  // The bytes arrive (eventual consistency): the next poll applies the version.
+  fs::copy_file(saved, chunk, fs::copy_options::overwrite_existing);
+  const auto good = r->poll();
+  REQUIRE_MESSAGE(good.ok(), good.error);
+  CHECK(r->version() == 2);
+  CHECK(s.mismatches(r, s.trainer.canonical_weights()) == 0);
+}
+
+TEST_CASE("M5: a gap in the chain is refused; M6: a later anchor resets it") {
+  Setup s;
+  auto r = s.reader();
+  s.writers.publish(s.access);
+  REQUIRE(r->poll().ok());
+  for (int i = 0; i < 3; ++i) {
+    s.trainer.step();
+    s.writers.publish(s.access);
+  }
+  fs::remove(storage::version_dir(s.dir.path, 3) / storage::manifest_name);
+  const auto gap = r->poll();
+  CHECK_FALSE(gap.ok());
+  CHECK(gap.error.find("version 3") != std::string::npos);
+  CHECK(r->version() == 1);
+  // M6: an anchor; the reader reseeds from it and follows the deltas based on it.
+  s.trainer.step();
+  CHECK(s.writers.publish_anchor(s.access).anchor());
+  s.trainer.step();
+  const auto delta = s.writers.publish(s.access);
+  CHECK(delta.base == 5);
+  const auto rep = r->poll();
+  REQUIRE_MESSAGE(rep.ok(), rep.error);
+  CHECK(rep.applied == std::vector<Version>{5, 6});
+  CHECK(s.mismatches(r, s.trainer.canonical_weights()) == 0);
+}
+
+TEST_CASE("M7: chunks without a manifest are invisible and the next publication succeeds") {
+  Setup s;
+  auto r = s.reader();
+  s.writers.publish(s.access);
+  s.trainer.step();
+  s.writers.publish(s.access);
+  REQUIRE(r->poll().ok());
+  // A crashed publication of version 3: chunk files and a temporary, no manifest.
+  const fs::path v3 = storage::version_dir(s.dir.path, 3);
+  fs::create_directories(v3);
+  std::ofstream(v3 / "c0-w0.zst") << "half written";
+  std::ofstream(v3 / "manifest.json.tmp-1") << "{";
+  CHECK(r->poll().applied.empty());
+  CHECK(r->version() == 2);
+  s.trainer.step();
+  const auto rep = s.writers.publish(s.access);
+  CHECK(rep.version == 3);
+  REQUIRE(r->poll().ok());
+  CHECK(r->version() == 3);
+  CHECK(s.mismatches(r, s.trainer.canonical_weights()) == 0);
+}
+
+TEST_CASE("M14: a version published by someone else is never overwritten") {
+  Setup s;
+  s.writers.publish(s.access);
+  // Another publisher's manifest of version 2 appears before ours.
+  const fs::path v2 = storage::version_dir(s.dir.path, 2);
+  fs::create_directories(v2);
+  const std::string text = "{}";
+  CHECK(io::write_file_exclusive(v2 / storage::manifest_name, std::as_bytes(std::span(text)),
+                                 "manifest"));
+  CHECK_FALSE(io::write_file_exclusive(v2 / storage::manifest_name,
+                                       std::as_bytes(std::span(text)), "manifest"));
+  s.trainer.step();
+  CHECK_THROWS_WITH_AS(s.writers.publish(s.access), doctest::Contains("another publisher"),
+                       io_error);
+  CHECK(storage::read_latest(s.dir.path) == Version{1});
+  // After a failure the next publication is an anchor.
+  fs::remove_all(v2);
+  const auto rep = s.writers.publish(s.access);
+  CHECK(rep.version == 2);
+  CHECK(rep.anchor());
+}
+
+TEST_CASE("M9: a dirty reader reseeds from the anchor") {
+  Setup s({.anchor_every = 3});
+  auto r = s.reader();
+  s.writers.publish(s.access);
+  for (int i = 0; i < 4; ++i) {
+    s.trainer.step();
+    s.writers.publish(s.access);
+  }
+  REQUIRE(r->advance(4).ok());
+  // A manifest whose digest disagrees with its chunks (a writer bug): applied, caught, dirty.
+  storage::Manifest m = storage::read_manifest(s.hf, s.dir.path, 5);
+  m.digest[0] += 1;
+  const std::string text = storage::manifest_json(m);
+  io::write_file_atomic(storage::version_dir(s.dir.path, 5) / storage::manifest_name,
+                        std::as_bytes(std::span(text)), "manifest");
+  const auto bad = r->poll();
+  CHECK_FALSE(bad.ok());
+  CHECK(bad.error.find("digest") != std::string::npos);
+  CHECK(r->dirty());
+  m.digest[0] -= 1;
+  const std::string fixed = storage::manifest_json(m);
+  io::write_file_atomic(storage::version_dir(s.dir.path, 5) / storage::manifest_name,
+                        std::as_bytes(std::span(fixed)), "manifest");
+  const auto rep = r->poll();
+  REQUIRE_MESSAGE(rep.ok(), rep.error);
+  CHECK(rep.reseeded);
+  CHECK(rep.applied == std::vector<Version>{3, 4, 5});
+  CHECK_FALSE(r->dirty());
+  CHECK(s.mismatches(r, s.trainer.canonical_weights()) == 0);
+}
+
+TEST_CASE("O1: an unchanged step is an empty delta with the same digest") {
+  Setup s({}, "tiny-qwen3", "tp=1", "tp=1", 0.0);
+  auto r = s.reader();
+  const auto a = s.writers.publish(s.access);
+  s.trainer.step();  // lr 0
+  const auto d = s.writers.publish(s.access);
+  CHECK(d.changed == 0);
+  CHECK(d.files == 0);
+  CHECK(d.digest == a.digest);
+  REQUIRE(r->poll().ok());
+  CHECK(r->version() == 2);
+}
+
+TEST_CASE("publication every K steps, MoE, experts and a dist-optimizer trainer") {
+  Setup s({.publish_every = 3}, "tiny-qwen3-moe", "tp=2,ep=2,dp=2", "tp=2,ep=2");
+  auto r = s.reader();
+  s.writers.publish(s.access);
+  for (int i = 1; i <= 9; ++i) {
+    s.trainer.step();
+    const auto rep = s.writers.step(s.access);
+    CHECK(rep.has_value() == (i % 3 == 0));
+    if (!rep) continue;
+    CHECK_FALSE(rep->anchor());
+    REQUIRE(r->poll().ok());
+    CHECK(s.mismatches(r, s.trainer.canonical_weights()) == 0);
+  }
+}
