@@ -10,11 +10,11 @@ set -euo pipefail
 
 demo_packages=(
   cmake ninja-build g++ ccache
-  doctest-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev
+  doctest-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev libzstd-dev libxxhash-dev
 )
 packages=(
   "${demo_packages[@]}"
-  clang-format clang-14 libclang-rt-14-dev libzstd-dev libxxhash-dev
+  clang-format clang-14 libclang-rt-14-dev zstd
   python3 python3-torch
   libopenmpi-dev openmpi-bin
 )
@@ -27,8 +27,20 @@ for p in "${packages[@]}"; do
   fi
 done
 
+# The storage interop test reads dte's files with Python's safetensors (PyPI) and numpy, in
+# the python3 first on PATH.
+python_missing() {
+  [ "${1:-}" != "demo" ] && ! python3 -c "import safetensors, numpy" 2>/dev/null
+}
+pip_install() {
+  echo "install-deps: pip installing safetensors numpy"
+  python3 -m pip install -q safetensors numpy 2>/dev/null ||
+    python3 -m pip install -q --user --break-system-packages safetensors numpy
+}
+
 if [ ${#missing[@]} -eq 0 ]; then
   echo "install-deps: all ${#packages[@]} packages present"
+  if python_missing "${1:-}"; then pip_install; fi
   exit 0
 fi
 
@@ -38,4 +50,5 @@ if [ "$(id -u)" -ne 0 ]; then sudo_cmd=(sudo); fi
 export DEBIAN_FRONTEND=noninteractive
 "${sudo_cmd[@]}" apt-get update -qq
 "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+if python_missing "${1:-}"; then pip_install; fi
 echo "install-deps: done"

@@ -15,6 +15,7 @@ int main(int argc, char** argv) {
   dte::tool::register_plan(app, status);
   dte::tool::register_simulate(app, status);
   dte::tool::register_bench(app, status);
+  dte::tool::register_storage(app, status);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // dte simulate: the synthetic trainer publishing through DeltaEngine to every receiver, checked
 // against a dense sync. --transport loopback (default): every trainer and receiver rank a thread
-// of this process; --transport mpi: one rank per process of an MPI job (simulate_mpi.cpp). One
+// of this process; --transport mpi: one rank per process of an MPI job (simulate_mpi.cpp); --transport
+// storage: writers and readers through a storage root (storage.cpp). One
 // driver for both (simulate_driver.hpp).
 #include <cstdio>
 #include <memory>
@@ -80,8 +81,9 @@ void register_simulate(CLI::App& app, int& status) {
       "(BF16, SGLang names) at the end");
   cmd->add_option("--transport", o->transport,
                   "loopback: every rank a thread of this process; mpi: one rank per process of "
-                  "an MPI job (mpirun -np trainer ranks + receiver ranks)")
-      ->check(CLI::IsMember({"loopback", "mpi"}))
+                  "an MPI job (mpirun -np trainer ranks + receiver ranks); storage: writers "
+                  "publish to --dir, readers follow it (cross-cluster)")
+      ->check(CLI::IsMember({"loopback", "mpi", "storage"}))
       ->capture_default_str();
   cmd->add_option("--deadline-ms", o->deadline_ms, "MPI: deadline of every wait")
       ->capture_default_str()
@@ -89,7 +91,23 @@ void register_simulate(CLI::App& app, int& status) {
   cmd->add_option("--fault", o->fault,
                   "MPI fault test: kill-receiver:R:V (receiver R SIGKILLs itself in version V's "
                   "payload round) or stall-trainer:G:V (trainer G stalls there past the deadline)");
+  cmd->add_option("--dir", o->dir, "storage: the storage root (created if absent)");
+  cmd->add_option("--anchor-every", o->anchor_every,
+                  "storage: an anchor (HF checkpoint directory) every N versions; 0: only the first")
+      ->capture_default_str()
+      ->check(CLI::Range(std::int64_t{0}, std::int64_t{1'000'000}));
+  cmd->add_option("--reader-lag", o->reader_lag,
+                  "storage: a second reader stays L versions behind, then catches up")
+      ->capture_default_str()
+      ->check(CLI::Range(std::int64_t{0}, std::int64_t{1'000'000}));
+  cmd->add_option("--zstd-level", o->zstd_level, "storage: zstd level of the chunks")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 19));
   cmd->callback([o, &status] {
+    if (o->transport == "storage") {
+      status = simulate_storage(*o);
+      return;
+    }
     if (o->transport == "mpi") {
       status = simulate_mpi(*o);
       return;

@@ -16,9 +16,15 @@ struct SimulateOptions {
   std::string transport = "loopback";
   std::int64_t deadline_ms = 30000;
   std::string fault;  // MPI fault injection: kill-receiver:R:V or stall-trainer:G:V
+  // --transport storage
+  std::string dir;
+  std::int64_t anchor_every = 0, reader_lag = 0;
+  int zstd_level = 3;
 };
 
 // The MPI run (simulate_mpi.cpp); returns the exit status. Only in builds with MPI.
 int simulate_mpi(const SimulateOptions& o);
+// The storage run (storage.cpp); returns the exit status. Only in builds with zstd and xxHash.
+int simulate_storage(const SimulateOptions& o);
 
 }  // namespace dte::tool
