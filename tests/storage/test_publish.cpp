@@ -7,8 +7,9 @@
 //     directories.
 //   * RELIABILITY.md 6.2: M1 a missing chunk, M2 a short one, M3 regression, M4 re-delivery,
 //     M5 a gap in the chain, M6 an anchor resetting the chain, M7 chunks without a manifest,
-//     M9 a dirty reader reseeding, M12 a chunk of another version in place, M14 two publishers
-//     of one version; O1 an unchanged step as an empty delta.
+//     M8 a writer dead between manifest and LATEST, M9 a dirty reader reseeding, M11 a dead
+//     writer's leftovers, M12 a chunk of another version in place, M14 one publisher group per
+//     root; O1 an unchanged step as an empty delta.
 #include <doctest/doctest.h>
 
 #include <unistd.h>
@@ -252,26 +253,56 @@ TEST_CASE("M7: chunks without a manifest are invisible and the next publication 
   CHECK(s.mismatches(r, s.trainer.canonical_weights()) == 0);
 }
 
-TEST_CASE("M14: a version published by someone else is never overwritten") {
+TEST_CASE("M14: one publisher group per root; a race for one version has one winner") {
   Setup s;
   s.writers.publish(s.access);
-  // Another publisher's manifest of version 2 appears before ours.
-  const fs::path v2 = storage::version_dir(s.dir.path, 2);
-  fs::create_directories(v2);
+  // A second group on the same root is refused before it writes anything.
+  CHECK_THROWS_WITH_AS(sim::StorageCluster(s.hf, s.train, s.dir.path, {}, 1),
+                       doctest::Contains("another publisher holds"), protocol_error);
+  // Of two writers of one manifest name, exactly one wins.
+  const fs::path v9 = storage::version_dir(s.dir.path, 9);
+  fs::create_directories(v9);
   const std::string text = "{}";
-  CHECK(io::write_file_exclusive(v2 / storage::manifest_name, std::as_bytes(std::span(text)),
+  CHECK(io::write_file_exclusive(v9 / storage::manifest_name, std::as_bytes(std::span(text)),
                                  "manifest"));
-  CHECK_FALSE(io::write_file_exclusive(v2 / storage::manifest_name,
+  CHECK_FALSE(io::write_file_exclusive(v9 / storage::manifest_name,
                                        std::as_bytes(std::span(text)), "manifest"));
+  fs::remove_all(v9);
+}
+
+TEST_CASE("M8: a writer that died between its manifest and LATEST; M11: its leftovers") {
+  Setup s;
+  auto r = s.reader();
+  s.writers.publish(s.access);
+  REQUIRE(r->poll().ok());
+  // Version 2 complete but never named by LATEST; version 3 half written by the dead writer.
   s.trainer.step();
-  CHECK_THROWS_WITH_AS(s.writers.publish(s.access), doctest::Contains("another publisher"),
-                       io_error);
-  CHECK(storage::read_latest(s.dir.path) == Version{1});
-  // After a failure the next publication is an anchor.
-  fs::remove_all(v2);
+  s.writers.publish(s.access);
+  storage::write_latest(s.dir.path, 1);
+  const fs::path v3 = storage::version_dir(s.dir.path, 3);
+  fs::create_directories(v3);
+  std::ofstream(v3 / "c0-w1.zst") << "half";
+  std::ofstream(v3 / "c0-w0.zst.tmp-77") << "half";
+  CHECK(r->poll().applied.empty());  // LATEST still names 1
+  // The next publication goes above both; the dead writer's files are gone.
+  s.trainer.step();
   const auto rep = s.writers.publish(s.access);
-  CHECK(rep.version == 2);
-  CHECK(rep.anchor());
+  CHECK(rep.version == 3);
+  CHECK(rep.base == 2);  // this publisher wrote version 2: a delta on it is sound
+  CHECK_FALSE(fs::exists(v3 / "c0-w0.zst.tmp-77"));
+  const auto got = r->poll();
+  REQUIRE(got.ok());
+  CHECK(got.applied == std::vector<Version>{2, 3});
+  CHECK(r->version() == 3);
+  CHECK(s.mismatches(r, s.trainer.canonical_weights()) == 0);
+  // A file the publisher did not write, in the next version's directory, stops it untouched.
+  const fs::path v4 = storage::version_dir(s.dir.path, 4);
+  fs::create_directories(v4);
+  std::ofstream(v4 / "notes.txt") << "mine";
+  s.trainer.step();
+  CHECK_THROWS_WITH_AS(s.writers.publish(s.access), doctest::Contains("notes.txt"), io_error);
+  CHECK(fs::exists(v4 / "notes.txt"));
+  CHECK(storage::read_latest(s.dir.path) == Version{3});
 }
 
 TEST_CASE("M9: a dirty reader reseeds from the anchor") {

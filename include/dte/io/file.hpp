@@ -34,6 +34,14 @@ class FdGuard {
   explicit FdGuard(int fd) noexcept : fd_(fd) {}
   FdGuard(const FdGuard&) = delete;
   FdGuard& operator=(const FdGuard&) = delete;
+  FdGuard(FdGuard&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  FdGuard& operator=(FdGuard&& o) noexcept {
+    if (this != &o) {
+      if (fd_ >= 0) ::close(fd_);
+      fd_ = std::exchange(o.fd_, -1);
+    }
+    return *this;
+  }
   ~FdGuard() {
     if (fd_ >= 0) ::close(fd_);
   }

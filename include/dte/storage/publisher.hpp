@@ -16,10 +16,14 @@
 //      model-*.safetensors and model.safetensors.index.json, loadable by transformers, SGLang,
 //      vLLM); the manifest is written last and exclusively (of two publishers of V one wins, the
 //      other fails naming the conflict), the directory fsynced, then LATEST replaced atomically;
+//      (one writer group per root: rank 0 holds ROOT/writer.lock; a version directory above
+//      everything complete is a dead writer's and is cleared first)
 //   5. the world agrees on rank 0's outcome: every rank returns the same report or throws.
 // A crash anywhere before LATEST moves leaves the old version current: readers never see V
 // (files without a manifest are ignored, and replaced or collected later).
 #pragma once
+
+#include <sys/file.h>
 
 #include <algorithm>
 #include <chrono>
@@ -275,11 +279,16 @@ class Publisher {
                              std::to_string(train.world()) +
                              " trainer ranks as writers and no receivers");
     }
-    std::error_code ec;
-    std::filesystem::create_directories(root_, ec);
-    if (ec) {
-      throw io_error("storage::Publisher: cannot create the storage root '" + root_.string() +
-                     "': " + ec.message());
+    // (rank 0 alone: a constructor does not wait for the other ranks, which may be built one
+    // after the other on one thread; they fail at the first publication if rank 0 is missing)
+    if (world.rank() == 0) {
+      std::error_code ec;
+      std::filesystem::create_directories(root_, ec);
+      if (ec) {
+        throw io_error("storage::Publisher: cannot create the storage root '" + root_.string() +
+                       "': " + ec.message());
+      }
+      lock_ = lock_root(root_);
     }
   }
 
@@ -323,6 +332,82 @@ class Publisher {
     return c;
   }
 
+  // One publisher group per root: rank 0 holds an exclusive flock on ROOT/writer.lock for its
+  // lifetime (the kernel releases it when the process dies, SIGKILL included).
+  static io::detail::FdGuard lock_root(const std::filesystem::path& root) {
+    const std::string name = (root / "writer.lock").string();
+    io::detail::FdGuard fd(::open(name.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644));
+    if (fd.get() < 0) {
+      const int err = errno;
+      throw io_error("cannot open '" + name + "': " + io::detail::errno_text(err));
+    }
+    if (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
+      const int err = errno;
+      if (err == EWOULDBLOCK) {
+        throw protocol_error("another publisher holds '" + name +
+                             "': one writer group per storage root (stop it, or use another root)");
+      }
+      throw io_error("cannot lock '" + name + "': " + io::detail::errno_text(err));
+    }
+    return fd;
+  }
+
+  // The newest version directory with a manifest (0: none).
+  static Version newest_complete(const std::filesystem::path& root) {
+    Version top = 0;
+    for (const auto& e : std::filesystem::directory_iterator(root)) {
+      const std::string name = e.path().filename().string();
+      if (name.size() != 21 || name[0] != 'v' ||
+          name.find_first_not_of("0123456789", 1) != std::string::npos) {
+        continue;
+      }
+      const Version v = std::stoull(name.substr(1));
+      if (v > top && std::filesystem::exists(e.path() / manifest_name)) top = v;
+    }
+    return top;
+  }
+
+  // The directory of the version about to be written holds, at most, what a writer that died
+  // left there: its own chunk, shard and temporary files, which are removed. Anything else is
+  // not ours: refused, untouched.
+  static void clear_unfinished(const std::filesystem::path& dir) {
+    std::error_code ec;
+    if (!std::filesystem::is_directory(dir, ec)) return;
+    std::vector<std::filesystem::path> ours;
+    for (const auto& e : std::filesystem::directory_iterator(dir)) {
+      if (!own_file(e.path().filename().string()) || !e.is_regular_file()) {
+        throw protocol_error("'" + e.path().string() +
+                             "' is in the directory of the next version and was not written by "
+                             "a dte publisher; move it away before publishing");
+      }
+      ours.push_back(e.path());
+    }
+    for (const auto& p : ours)
+      std::filesystem::remove(p);
+  }
+
+ public:
+  // A name this publisher writes into a version directory (finished, or a temporary of one).
+  static bool own_file(const std::string& name) {
+    const auto pos = name.find(".tmp-");
+    const auto npos = name.find(".new-");
+    const std::string base = name.substr(0, std::min(pos, npos));
+    const auto digits = [](std::string_view s) {
+      return !s.empty() && s.find_first_not_of("0123456789") == std::string_view::npos;
+    };
+    const auto chunk_like = [&](std::string_view s, std::string_view prefix) {
+      if (!s.starts_with(prefix) || !s.ends_with(".zst")) return false;
+      s.remove_prefix(prefix.size());
+      s.remove_suffix(4);
+      const auto w = s.find("-w");
+      return w != std::string_view::npos && digits(s.substr(0, w)) && digits(s.substr(w + 2));
+    };
+    return chunk_like(base, "c") || chunk_like(base, "anchor-part-c") ||
+           base == std::string(manifest_name) || base == std::string(hf_index_name) ||
+           (base.starts_with("model-") && base.ends_with(".safetensors"));
+  }
+
+ private:
   // Every rank passes its error (empty: none); throws on every rank when any failed.
   void agree(const std::string& mine, const char* phase) {
     const auto n = static_cast<std::size_t>(world_->senders());
@@ -349,15 +434,13 @@ class Publisher {
     std::vector<std::uint64_t> head(2, 0);
     if (rank == 0) {
       try {
-        const std::optional<Version> latest = read_latest(root_);
-        head[0] = latest.value_or(0) + 1;
-        head[1] = latest.value_or(0) == version_ ? 1 : 0;  // LATEST is what we wrote last
-        const auto manifest = version_dir(root_, head[0]) / manifest_name;
-        if (std::filesystem::exists(manifest)) {
-          throw protocol_error("version " + std::to_string(head[0]) +
-                               " already has a manifest but LATEST names " +
-                               std::to_string(head[0] - 1) + "; another publisher is writing here");
-        }
+        // Above LATEST and above any complete version LATEST does not name (a writer that died
+        // between its manifest and LATEST: this one holds the lock, so that writer is gone).
+        const Version latest = read_latest(root_).value_or(0);
+        const Version top = std::max(latest, newest_complete(root_));
+        head[0] = top + 1;
+        head[1] = top == version_ ? 1 : 0;  // the newest version is the one we wrote last
+        clear_unfinished(version_dir(root_, head[0]));
       } catch (const std::exception& e) {
         err = e.what();
       }
@@ -481,6 +564,7 @@ class Publisher {
   std::int64_t steps_ = 0;
   bool marked_ = false;
   bool need_anchor_ = false;
+  io::detail::FdGuard lock_{-1};  // rank 0: the root's writer lock
 };
 
 }  // namespace dte::storage
