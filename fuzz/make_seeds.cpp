@@ -104,7 +104,7 @@ int main(int argc, char** argv) {
       storage::TensorDelta d;
       d.tensor = t;
       const auto n = static_cast<std::uint32_t>(hf[t].numel());
-      for (std::uint32_t i = seed; i < n; i += 37 + 300 * (t % 3))  // gaps above 255 escape
+      for (std::uint32_t i = seed; i < n; i += 37 + 300 * (t % 3))  // gaps above 254 escape
         d.index.push_back(i), d.bits.push_back(static_cast<std::uint16_t>(0x3C00 + i % 512));
       c.tensors.push_back(std::move(d));
     }
@@ -113,9 +113,10 @@ int main(int argc, char** argv) {
     for (std::byte b : stored)
       a.push_back(static_cast<std::uint8_t>(b));
     write(root / "chunk" / ("stored_" + std::to_string(seed)), a);
-    std::vector<std::uint8_t> plain(ZSTD_getFrameContentSize(stored.data(), stored.size()));
-    ZSTD_decompress(plain.data(), plain.size(), stored.data(), stored.size());
-    plain.insert(plain.begin(), 1);
+    const std::vector<std::byte> frames = storage::decompress_frames(stored, "seed");
+    std::vector<std::uint8_t> plain{1};
+    for (std::byte b : frames)
+      plain.push_back(static_cast<std::uint8_t>(b));
     write(root / "chunk" / ("container_" + std::to_string(seed)), plain);
   }
   std::filesystem::create_directories(root / "manifest");

@@ -40,15 +40,19 @@ def raw_tensors(path):
 
 
 def gaps(stream, count):
-    """The documented index code: a gap below 255 in one byte, else 255 and a u32."""
+    """The documented index code: a gap below 255 in one byte, else 255 and a u16, and from
+    65535 on that u16 = 65535 and a u32 (little-endian)."""
     stream = bytes(stream)  # plain ints
     out, nxt, at = [], 0, 0
     for _ in range(count):
         g = stream[at]
         at += 1
         if g == 255:
-            g = int.from_bytes(bytes(stream[at:at + 4]), "little")
-            at += 4
+            g = int.from_bytes(stream[at:at + 2], "little")
+            at += 2
+            if g == 65535:
+                g = int.from_bytes(stream[at:at + 4], "little")
+                at += 4
         out.append(nxt + g)
         nxt = out[-1] + 1
     assert at == len(stream), "trailing index bytes"
@@ -88,11 +92,12 @@ def main():
             names = sorted({k.rsplit(":", 1)[0] for k in f.keys()})
             for name in names:
                 index_stream = f.get_tensor(name + ":index")
-                planes = f.get_tensor(name + ":value")
-                assert index_stream.dtype == np.uint8 and planes.shape[0] == 2
-                n = planes.shape[1]
+                hi = f.get_tensor(name + ":value_hi")
+                lo = f.get_tensor(name + ":value_lo")
+                assert index_stream.dtype == np.uint8 and hi.shape == lo.shape
+                n = hi.shape[0]
                 index = gaps(index_stream, n)
-                values = (planes[0].astype(np.uint16) << 8) | planes[1].astype(np.uint16)
+                values = (hi.astype(np.uint16) << 8) | lo.astype(np.uint16)
                 want = bf16_bits(w[name].reshape(-1))[index]
                 assert np.array_equal(values, want), name
                 checked += n

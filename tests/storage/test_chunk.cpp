@@ -2,7 +2,7 @@
 // The canonical chunk codec (storage/chunk.hpp): the index gap code at its escape boundaries,
 // chunks that round trip exactly, and every refusal a reader of untrusted storage needs before
 // it may apply anything (RELIABILITY.md 6.1: F1-F3 through the zstd frame, F11/F18 unknown or
-// unpaired tensors, F16 a flipped bit, F17 indices out of range or malformed; 6.2 M12 a chunk
+// incomplete tensor triples, F16 a flipped bit, F17 indices out of range or malformed; 6.2 M12 a chunk
 // of another version or slot).
 #include <doctest/doctest.h>
 
@@ -89,15 +89,24 @@ void refuses(std::span<const std::byte> bytes, const std::string& why,
 
 }  // namespace
 
-TEST_CASE("gap code: escapes at 255, exact round trip, refusals name the fault") {
-  const std::vector<std::uint32_t> idx = {0,   1,   255,      256,         511,
-                                          767, 768, 1u << 20, 0xFFFFFFFEu, 0xFFFFFFFFu};
+TEST_CASE("gap code: escapes at 255 and 65535, exact round trip, refusals name the fault") {
+  const std::vector<std::uint32_t> idx = {0,   1,   255,     256,        511,        767,
+                                          768, 66303, 1u << 20, 0xFFFFFFFEu, 0xFFFFFFFFu};
   std::vector<std::uint8_t> code;
   storage::put_gaps(idx, code);
-  // gaps: 0, 0, 253, 0, 254, 255 (escaped), 0, ...
+  // gaps: 0, 0, 253, 0, 254, 255 (escaped to u16), 0, 65534 (u16), 982272 (u16 escape, u32)...
   CHECK(code[2] == 253);
   CHECK(code[4] == 254);
   CHECK(code[5] == 255);
+  CHECK(code[6] == 255);
+  CHECK(code[7] == 0);
+  CHECK(code[8] == 0);  // the gap 0 after it
+  CHECK(code[9] == 255);
+  CHECK(code[10] == 0xFE);
+  CHECK(code[11] == 0xFF);  // 65534 fits the u16
+  CHECK(code[12] == 255);
+  CHECK(code[13] == 0xFF);
+  CHECK(code[14] == 0xFF);  // 65535: a u32 follows
   CHECK(storage::get_gaps(code, idx.size(), 1ull << 32, "t") == idx);
   std::vector<std::uint8_t> bad;
   CHECK_THROWS_AS(storage::put_gaps(std::vector<std::uint32_t>{5, 5}, bad), invalid_argument);
@@ -106,9 +115,12 @@ TEST_CASE("gap code: escapes at 255, exact round trip, refusals name the fault")
                        doctest::Contains("outside the tensor"), format_error);
   CHECK_THROWS_WITH_AS(storage::get_gaps(code, idx.size() - 1, 1ull << 32, "t"),
                        doctest::Contains("bytes follow the last"), format_error);
-  const std::vector<std::uint8_t> cut(code.begin(), code.begin() + 7);  // inside an escape
+  const std::vector<std::uint8_t> cut(code.begin(), code.begin() + 7);  // inside a u16 escape
   CHECK_THROWS_WITH_AS(storage::get_gaps(cut, 6, 1ull << 32, "t"),
                        doctest::Contains("escaped but the stream ends"), format_error);
+  const std::vector<std::uint8_t> cut32(code.begin(), code.begin() + 16);  // inside the u32
+  CHECK_THROWS_WITH_AS(storage::get_gaps(cut32, 9, 1ull << 32, "t"),
+                       doctest::Contains("inside its 4 bytes"), format_error);
   CHECK_THROWS_WITH_AS(storage::get_gaps(std::vector<std::uint8_t>{0, 0}, 3, 100, "t"),
                        doctest::Contains("only 2 index bytes"), format_error);
 }
@@ -119,18 +131,34 @@ TEST_CASE("a chunk round trips exactly, and says what it is") {
     const auto bytes = storage::encode_chunk(model(), c, 3);
     const Chunk back = storage::decode_chunk(model(), bytes, "chunk.zst", &c.header);
     CHECK(back.header == c.header);
+    CHECK(back.encoding == storage::Encoding::value);
     REQUIRE(back.tensors.size() == c.tensors.size());
     for (std::size_t k = 0; k < c.tensors.size(); ++k)
       CHECK(back.tensors[k] == c.tensors[k]);
     // The same bytes give the same checksum; the container opens with a plain safetensors reader.
     CHECK(storage::checksum(bytes) == storage::checksum(storage::encode_chunk(model(), c, 3)));
-    std::vector<std::byte> plain(ZSTD_getFrameContentSize(bytes.data(), bytes.size()));
-    REQUIRE(ZSTD_decompress(plain.data(), plain.size(), bytes.data(), bytes.size()) ==
-            plain.size());
-    const io::SafetensorsFile f = io::SafetensorsFile::parse(plain, "plain");
+    // Four frames (header, indices, high bytes, low bytes) that decompress to one file.
+    std::size_t frames = 0;
+    for (std::size_t at = 0; at < bytes.size(); ++frames)
+      at += ZSTD_findFrameCompressedSize(bytes.data() + at, bytes.size() - at);
+    CHECK(frames == 4);
+    const io::SafetensorsFile f =
+        io::SafetensorsFile::parse(storage::decompress_frames(bytes, "chunk"), "plain");
     CHECK(f.metadata().at("dte.format") == "chunk-v1");
     CHECK(f.find(model().name(0) + ":index") != nullptr);
+    CHECK(f.find(model().name(0) + ":value_hi") != nullptr);
   }
+}
+
+TEST_CASE("an XOR chunk round trips and says so") {
+  Chunk c = sample(5);
+  c.encoding = storage::Encoding::xor_base;
+  const Chunk back =
+      storage::decode_chunk(model(), storage::encode_chunk(model(), c), "x.zst", &c.header);
+  CHECK(back.encoding == storage::Encoding::xor_base);
+  REQUIRE(back.tensors.size() == c.tensors.size());
+  for (std::size_t k = 0; k < c.tensors.size(); ++k)
+    CHECK(back.tensors[k] == c.tensors[k]);
 }
 
 TEST_CASE("encode refuses what it cannot write faithfully") {
@@ -186,41 +214,58 @@ TEST_CASE("decode refuses a chunk of another version or slot (M12)") {
 
 TEST_CASE("decode refuses foreign, unpaired, unknown and malformed tensors (F10, F17, F18)") {
   const std::string embed = model().name(0);
-  const std::vector<std::uint8_t> gaps = {0, 1}, planes = {0, 0, 1, 2};
-  refuses<format_error>(
-      crafted([&](io::SafetensorsWriter& w) {
-        w.add<std::uint8_t>("model.nothing.weight:index", {2}, gaps, io::DType::U8);
-        w.add<std::uint8_t>("model.nothing.weight:value", {2, 2}, planes, io::DType::U8);
-      }),
-      "is not a tensor of tiny-qwen3");
+  const std::vector<std::uint8_t> gaps = {0, 1}, two = {0, 1};
+  const auto values = [&](io::SafetensorsWriter& w, const std::string& name,
+                          const std::vector<std::uint8_t>& v) {
+    w.add<std::uint8_t>(name + ":value_hi", {v.size()}, v, io::DType::U8);
+    w.add<std::uint8_t>(name + ":value_lo", {v.size()}, v, io::DType::U8);
+  };
+  refuses<format_error>(crafted([&](io::SafetensorsWriter& w) {
+                          w.add<std::uint8_t>("model.nothing.weight:index", {2}, gaps,
+                                              io::DType::U8);
+                          values(w, "model.nothing.weight", two);
+                        }),
+                        "is not a tensor of tiny-qwen3");
   refuses<format_error>(crafted([&](io::SafetensorsWriter& w) {
                           w.add<std::uint8_t>(embed + ":index", {2}, gaps, io::DType::U8);
                         }),
-                        "without '" + embed + ":value'");
+                        "without '" + embed + ":value_hi'");
+  refuses<format_error>(crafted([&](io::SafetensorsWriter& w) {
+                          w.add<std::uint8_t>(embed + ":index", {2}, gaps, io::DType::U8);
+                          w.add<std::uint8_t>(embed + ":value_hi", {2}, two, io::DType::U8);
+                        }),
+                        "without '" + embed + ":value_lo'");
   refuses<format_error>(crafted([&](io::SafetensorsWriter& w) {
                           w.add<std::uint8_t>(embed, {2}, gaps, io::DType::U8);
                         }),
-                        "neither '<name>:index' nor '<name>:value'");
+                        "is not '<name>:index', '<name>:value_hi' or '<name>:value_lo'");
   refuses<format_error>(crafted([&](io::SafetensorsWriter& w) {
                           w.add<std::uint8_t>(embed + ":index", {2}, gaps, io::DType::U8);
-                          w.add<std::uint16_t>(embed + ":value", {2},
+                          w.add<std::uint16_t>(embed + ":value_hi", {2},
                                                std::vector<std::uint16_t>{1, 2}, io::DType::U16);
+                          w.add<std::uint8_t>(embed + ":value_lo", {2}, two, io::DType::U8);
+                        }),
+                        "must be U8 [k]");
+  refuses<format_error>(crafted([&](io::SafetensorsWriter& w) {
+                          w.add<std::uint8_t>(embed + ":index", {2}, gaps, io::DType::U8);
+                          w.add<std::uint8_t>(embed + ":value_hi", {2}, two, io::DType::U8);
+                          w.add<std::uint8_t>(embed + ":value_lo", {1},
+                                              std::vector<std::uint8_t>{0}, io::DType::U8);
                         }),
                         "must be U8 [k]");
   // Three values, two indices: the stream ends early.
   refuses<format_error>(crafted([&](io::SafetensorsWriter& w) {
                           w.add<std::uint8_t>(embed + ":index", {2}, gaps, io::DType::U8);
-                          w.add<std::uint8_t>(embed + ":value", {2, 3},
-                                              std::vector<std::uint8_t>(6, 0), io::DType::U8);
+                          values(w, embed, std::vector<std::uint8_t>(3, 0));
                         }),
                         "only 2 index bytes");
   // An index beyond the tensor (an escaped gap of 2^32 - 1).
   refuses<format_error>(crafted([&](io::SafetensorsWriter& w) {
-                          w.add<std::uint8_t>(embed + ":index", {5},
-                                              std::vector<std::uint8_t>{255, 255, 255, 255, 255},
+                          w.add<std::uint8_t>(embed + ":index", {7},
+                                              std::vector<std::uint8_t>{255, 255, 255, 255, 255,
+                                                                        255, 255},
                                               io::DType::U8);
-                          w.add<std::uint8_t>(embed + ":value", {2, 1},
-                                              std::vector<std::uint8_t>{0, 0}, io::DType::U8);
+                          values(w, embed, std::vector<std::uint8_t>{0});
                         }),
                         "outside the tensor");
   // Not a dte chunk, a newer format, another encoding.
@@ -230,10 +275,22 @@ TEST_CASE("decode refuses foreign, unpaired, unknown and malformed tensors (F10,
   io::SafetensorsWriter newer;
   newer.set_metadata("dte.format", "chunk-v9");
   refuses<format_error>(compress(newer.serialize()), "this reader reads \"chunk-v1\"");
-  io::SafetensorsWriter xor_encoded;
-  xor_encoded.set_metadata("dte.format", "chunk-v1");
-  xor_encoded.set_metadata("dte.encoding", "xor");
-  refuses<format_error>(compress(xor_encoded.serialize()), "not one this reader applies");
+  io::SafetensorsWriter other_encoding;
+  other_encoding.set_metadata("dte.format", "chunk-v1");
+  other_encoding.set_metadata("dte.encoding", "zip");
+  refuses<format_error>(compress(other_encoding.serialize()), "not one this reader applies");
+  // XOR needs a base: an anchor cannot be XOR-encoded, nor such a chunk be read.
+  Chunk anchor_xor;
+  anchor_xor.header = {3, no_version, 0, 0};
+  anchor_xor.encoding = storage::Encoding::xor_base;
+  CHECK_THROWS_AS((void)storage::encode_chunk(model(), anchor_xor), invalid_argument);
+  io::SafetensorsWriter xor_anchor;
+  for (const char* k : {"dte.version", "dte.chunk", "dte.writer"})
+    xor_anchor.set_metadata(k, "0");
+  xor_anchor.set_metadata("dte.base", std::to_string(no_version));
+  xor_anchor.set_metadata("dte.format", "chunk-v1");
+  xor_anchor.set_metadata("dte.encoding", "xor");
+  refuses<format_error>(compress(xor_anchor.serialize()), "XOR-encoded chunk without a base");
   io::SafetensorsWriter bad_version;
   for (const char* k : {"dte.base", "dte.chunk", "dte.writer"})
     bad_version.set_metadata(k, "0");

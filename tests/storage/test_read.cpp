@@ -87,7 +87,10 @@ TEST_CASE("a listed chunk reads back verified") {
 TEST_CASE("storage faults are refused before anything is decoded") {
   const Dir d;
   const auto e0 = put(d, chunk(0, 0x3F80), "c0-w0.zst");
-  const auto e1 = put(d, chunk(1, 0x3F80), "c1-w0.zst");  // differs only in its slot
+  // A chunk that differs only in its slot and compresses to the same size.
+  auto e1 = put(d, chunk(1, 0x3F80), "c1-w0.zst");
+  for (std::uint32_t k = 2; k < 10 && e1.bytes != e0.bytes; ++k)
+    e1 = put(d, chunk(k, 0x3F80), "c" + std::to_string(k) + "-w0.zst");
   const storage::Manifest m = manifest({e0, e1});
   // M1: listed but missing.
   storage::ChunkEntry missing = e0;

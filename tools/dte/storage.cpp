@@ -184,6 +184,7 @@ int simulate_storage(const SimulateOptions& o) {
   cfg.anchor_every = o.anchor_every;
   cfg.publish_every = o.publish_every;
   cfg.zstd_level = o.zstd_level;
+  cfg.encoding = o.encoding == "xor" ? storage::Encoding::xor_base : storage::Encoding::value;
   sim::StorageCluster writers(s.hf, s.train, o.dir, cfg);
   std::vector<std::int64_t> all(static_cast<std::size_t>(s.infer.replicas));
   for (std::size_t r = 0; r < all.size(); ++r)
@@ -200,11 +201,13 @@ int simulate_storage(const SimulateOptions& o) {
   };
   if (!o.json) {
     std::printf("dte simulate: %s (%lld parameters), train %s (%lld writers) -> storage %s -> "
-                "infer %s (%lld ranks), %lld steps, anchor every %lld, reader lag %lld, lr %g\n",
+                "infer %s (%lld ranks), %lld steps, anchor every %lld, reader lag %lld, %s encoding, "
+                "lr %g\n",
                 s.spec.name.c_str(), static_cast<long long>(s.hf.total()), o.train.c_str(),
                 static_cast<long long>(s.train.world()), o.dir.c_str(), o.infer.c_str(),
                 static_cast<long long>(s.infer.ranks()), static_cast<long long>(o.steps),
-                static_cast<long long>(o.anchor_every), static_cast<long long>(o.reader_lag), o.lr);
+                static_cast<long long>(o.anchor_every), static_cast<long long>(o.reader_lag),
+                o.encoding.c_str(), o.lr);
   }
   auto record = [&](const storage::PublishReport& rep) {
     ++publications;

@@ -25,23 +25,28 @@ struct BasicDetect {
   DTE_HOST_DEVICE static std::uint16_t store(float x) noexcept { return F::round(x); }
 
   DTE_HOST_DEVICE static Verdict classify(float current, const Reconstruction& prev) noexcept {
-    const std::uint16_t now = F::round(current);
-    const std::uint16_t before = F::round(prev.value);
-    if (now != before) return Verdict::changed;
-    if (prev.error == 0.0f) return Verdict::unchanged;  // bit-exact previous value
+    if (F::round(current) != F::round(prev.value)) return Verdict::changed;
+    return certain(prev) ? Verdict::unchanged : Verdict::guard;
+  }
+
+  // Whether store(prev.value) is certainly the previous stored value: the reconstruction is
+  // exact, or its error interval lies inside one rounding interval. (An XOR against the
+  // previous value needs exactly this: storage/publisher.hpp.)
+  DTE_HOST_DEVICE static bool certain(const Reconstruction& prev) noexcept {
+    if (prev.error == 0.0f) return true;  // bit-exact previous value
     // Not finite: no interval to reason about.
     if (!((float_bits(prev.value) & 0x7FFFFFFFu) < 0x7F800000u) ||
         !((float_bits(prev.error) & 0x7FFFFFFFu) < 0x7F800000u)) {
-      return Verdict::guard;
+      return false;
     }
-    const RoundingInterval iv = F::interval(before);
+    const RoundingInterval iv = F::interval(F::round(prev.value));
     // value and the interval ends lie in one rounding interval, so these differences are exact
     // (Sterbenz, or both subnormal). Strict: a value exactly error away may sit on the edge.
     const bool lower_ok =
         (prev.value - iv.lo > prev.error) || (prev.sign_exact && float_bits(iv.lo) == 0x00000000u);
     const bool upper_ok =
         (iv.hi - prev.value > prev.error) || (prev.sign_exact && float_bits(iv.hi) == 0x80000000u);
-    return lower_ok && upper_ok ? Verdict::unchanged : Verdict::guard;
+    return lower_ok && upper_ok;
   }
 
   DTE_HOST_DEVICE static bool changed(float current, const Reconstruction& prev) noexcept {

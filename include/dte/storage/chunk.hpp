@@ -1,23 +1,30 @@
 // SPDX-License-Identifier: Apache-2.0
-// Canonical sparse chunks (issue 12, first piece: the codec): the changed elements of a version
-// as HF tensor names, indices in the unsharded HF tensor and BF16 bits with overwrite semantics,
-// so a reader of any topology can apply them. A chunk is a safetensors container compressed as
-// a whole with zstd (`zstd -d` and any safetensors reader open it); per HF tensor it holds
-//   "<name>:index"  U8 [k]     the sorted indices, gap-coded (put_gaps): one byte per gap below
-//                              255, else 255 and the gap as a little-endian u32;
-//   "<name>:value"  U8 [2, n]  the n values' BF16 bits as two byte planes (high bytes, then low
-//                              bytes: the exponent-carrying bytes compress together);
+// Canonical sparse chunks (issue 12: the codec): the changed elements of a version as HF tensor
+// names, indices in the unsharded HF tensor and BF16 bits with overwrite semantics, so a reader
+// of any topology can apply them. A chunk is a safetensors container compressed with zstd
+// (`zstd -d` and any safetensors reader open it); per HF tensor it holds
+//   "<name>:index"     U8 [k]  the sorted indices, gap-coded (put_gaps): a gap below 255 in one
+//                              byte, else 255 and a little-endian u16, and from 65535 on that
+//                              u16 = 65535 followed by the gap as a u32;
+//   "<name>:value_hi"  U8 [n]  the high bytes of the n values' BF16 bits (sign, exponent);
+//   "<name>:value_lo"  U8 [n]  their low bytes (last exponent bit, mantissa);
 // and in __metadata__: dte.format = "chunk-v1", dte.version, dte.base, dte.chunk (its number in
-// the version), dte.writer (the trainer rank), dte.encoding = "value". The zstd frame carries a
-// content checksum (a flipped bit fails decompression); the manifest that lists a chunk adds its
-// size and xxh3-64 (checksum()).
+// the version), dte.writer (the trainer rank), dte.encoding = "value" (the new bits) or "xor"
+// (the new bits XOR those of the base version; Encoding). The file is cut into up to
+// four zstd frames, the safetensors header, then every tensor's indices, every high byte,
+// every low byte (the data are laid out in that order): streams of one kind compress together
+// (about 15% smaller than one frame over interleaved streams), and `zstd -d` concatenates the
+// frames back into the one file. Each frame states its size and carries a
+// content checksum (a flipped bit fails decompression); the manifest that lists a chunk adds
+// its size and xxh3-64 (checksum()).
 //
-// decode_chunk refuses, before returning anything: a frame that does not state its size or
-// states more than max_decoded_bytes (no allocation first), a size that does not match, a
-// safetensors file the strict parser refuses, foreign or missing metadata, a header other than
-// the expected one (a chunk of another version or slot), unknown tensor names, an index without
-// its values or the reverse, wrong dtypes or shapes, gap streams that end early or late,
-// indices at or beyond the tensor's size. Indices are strictly increasing by construction.
+// decode_chunk refuses, before returning anything: more than max_frames frames, a frame that
+// does not state its size or sizes summing over max_decoded_bytes (no allocation first), a size
+// that does not match, a safetensors file the strict parser refuses, foreign or missing
+// metadata, a header other than the expected one (a chunk of another version or slot), unknown
+// tensor names, a tensor without its two companions, wrong dtypes or shapes, gap streams that
+// end early or late, indices at or beyond the tensor's size. Indices are strictly increasing by
+// construction.
 #pragma once
 
 #include <zstd.h>
@@ -25,6 +32,7 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
+#include <algorithm>
 #include <charconv>
 #include <cstddef>
 #include <cstdint>
@@ -34,6 +42,7 @@
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <utility>
 #include <vector>
 
 #include "dte/bounds.hpp"
@@ -47,6 +56,8 @@ namespace dte::storage {
 // The largest chunk a reader decompresses (a frame stating more is refused unread).
 inline constexpr std::uint64_t max_decoded_bytes = std::uint64_t{1} << 30;
 inline constexpr std::string_view chunk_format = "chunk-v1";
+// The most zstd frames a chunk may hold (dte writes three).
+inline constexpr std::size_t max_frames = 16;
 
 // The changed elements of one HF tensor: strictly increasing indices, their BF16 bits.
 struct TensorDelta {
@@ -64,8 +75,18 @@ struct ChunkHeader {
   friend bool operator==(const ChunkHeader&, const ChunkHeader&) = default;
 };
 
+// What a chunk's 16-bit values are: the new bits (overwrite), or the new bits XOR the bits of
+// the base version (a reader applies those only on exactly the base version, which the version
+// chain guarantees; XOR of a small change leaves few bits set, so they compress far better).
+enum class Encoding : std::uint8_t { value, xor_base };
+
+inline std::string_view encoding_name(Encoding e) noexcept {
+  return e == Encoding::value ? "value" : "xor";
+}
+
 struct Chunk {
   ChunkHeader header;
+  Encoding encoding = Encoding::value;
   std::vector<TensorDelta> tensors;  // at most one per HF tensor
 };
 
@@ -77,7 +98,8 @@ inline std::uint64_t checksum(std::span<const std::byte> bytes) noexcept {
 // ---- The index gap code ----
 
 // Appends the gap code of `sorted` (strictly increasing): the first index itself, then each
-// index minus the previous minus one; below 255 one byte, else 255 and four bytes.
+// index minus the previous minus one; below 255 one byte, below 65535 the byte 255 and two
+// bytes, else 255, 0xFFFF and four bytes (little-endian).
 inline void put_gaps(std::span<const std::uint32_t> sorted, std::vector<std::uint8_t>& out) {
   std::uint64_t next = 0;  // the smallest index the next one may be
   for (std::size_t k = 0; k < sorted.size(); ++k) {
@@ -91,8 +113,13 @@ inline void put_gaps(std::span<const std::uint32_t> sorted, std::vector<std::uin
       out.push_back(static_cast<std::uint8_t>(gap));
     } else {
       out.push_back(255);
-      for (int b = 0; b < 4; ++b)
-        out.push_back(static_cast<std::uint8_t>(gap >> (8 * b)));
+      const std::uint64_t wide = gap < 65535 ? gap : 65535;
+      out.push_back(static_cast<std::uint8_t>(wide));
+      out.push_back(static_cast<std::uint8_t>(wide >> 8));
+      if (wide == 65535) {
+        for (int b = 0; b < 4; ++b)
+          out.push_back(static_cast<std::uint8_t>(gap >> (8 * b)));
+      }
     }
     next = std::uint64_t{sorted[k]} + 1;
   }
@@ -110,6 +137,17 @@ inline std::vector<std::uint32_t> get_gaps(std::span<const std::uint8_t> in, std
   out.reserve(static_cast<std::size_t>(count));
   std::uint64_t next = 0;
   std::size_t at = 0;
+  const auto take = [&](int bytes, std::uint64_t k) {
+    if (in.size() - at < static_cast<std::size_t>(bytes)) {
+      throw format_error(where + ": index " + std::to_string(k) +
+                         " is escaped but the stream ends inside its " + std::to_string(bytes) +
+                         " bytes");
+    }
+    std::uint64_t v = 0;
+    for (int b = 0; b < bytes; ++b)
+      v |= std::uint64_t{in[at++]} << (8 * b);
+    return v;
+  };
   for (std::uint64_t k = 0; k < count; ++k) {
     if (at >= in.size()) {
       throw format_error(where + ": the index stream ends after " + std::to_string(k) + " of " +
@@ -117,13 +155,8 @@ inline std::vector<std::uint32_t> get_gaps(std::span<const std::uint8_t> in, std
     }
     std::uint64_t gap = in[at++];
     if (gap == 255) {
-      if (in.size() - at < 4) {
-        throw format_error(where + ": index " + std::to_string(k) +
-                           " is escaped but the stream ends inside its four bytes");
-      }
-      gap = 0;
-      for (int b = 0; b < 4; ++b)
-        gap |= std::uint64_t{in[at++]} << (8 * b);
+      gap = take(2, k);
+      if (gap == 65535) gap = take(4, k);
     }
     const std::uint64_t index = next + gap;
     if (index >= numel) {
@@ -169,6 +202,79 @@ inline std::uint64_t metadata_u64(const std::map<std::string, std::string>& m,
 
 // ---- Encode and decode ----
 
+namespace detail {
+
+inline void compress_frame(ZSTD_CCtx* cctx, std::span<const std::byte> plain,
+                           std::vector<std::byte>& out) {
+  const std::size_t at = out.size();
+  out.resize(at + ZSTD_compressBound(plain.size()));
+  const std::size_t n =
+      ZSTD_compress2(cctx, out.data() + at, out.size() - at, plain.data(), plain.size());
+  if (ZSTD_isError(n)) {
+    throw error(std::string("dte::storage::encode_chunk: zstd failed: ") + ZSTD_getErrorName(n));
+  }
+  out.resize(at + n);
+}
+
+}  // namespace detail
+
+// The zstd frames of `bytes`, decompressed and concatenated; refused (format_error, or
+// bounds_error over `max_bytes`) before anything is allocated unless every frame states its
+// size and they fit.
+inline std::vector<std::byte> decompress_frames(std::span<const std::byte> bytes,
+                                                const std::string& source,
+                                                std::uint64_t max_bytes = max_decoded_bytes) {
+  std::vector<std::pair<std::size_t, std::size_t>> frames;  // (offset, compressed size)
+  std::uint64_t total = 0;
+  for (std::size_t at = 0; at < bytes.size();) {
+    if (frames.size() == max_frames) {
+      throw format_error(source + ": more than " + std::to_string(max_frames) +
+                         " zstd frames; not a dte chunk");
+    }
+    const auto rest = bytes.subspan(at);
+    const unsigned long long size = ZSTD_getFrameContentSize(rest.data(), rest.size());
+    if (size == ZSTD_CONTENTSIZE_ERROR) {
+      throw format_error(source + ": not a zstd frame at byte " + std::to_string(at) + " of " +
+                         std::to_string(bytes.size()) + "; not a dte chunk, or a truncated one");
+    }
+    if (size == ZSTD_CONTENTSIZE_UNKNOWN) {
+      throw format_error(source +
+                         ": a zstd frame does not state its decompressed size; dte chunks "
+                         "always do");
+    }
+    const std::size_t span = ZSTD_findFrameCompressedSize(rest.data(), rest.size());
+    if (ZSTD_isError(span)) {
+      throw format_error(source + ": zstd refused the chunk (" + ZSTD_getErrorName(span) +
+                         "); it is corrupt or truncated");
+    }
+    total += size;
+    if (total > max_bytes) {
+      throw bounds_error(source + ": the zstd frames decompress to more than " +
+                         std::to_string(max_bytes) + " bytes, over the chunk limit of " +
+                         std::to_string(max_bytes));
+    }
+    frames.emplace_back(at, span);
+    at += span;
+  }
+  if (frames.empty()) throw format_error(source + ": empty; not a zstd frame");
+  std::vector<std::byte> plain(static_cast<std::size_t>(total));
+  std::size_t out = 0;
+  for (const auto& [at, span] : frames) {
+    const std::size_t got =
+        ZSTD_decompress(plain.data() + out, plain.size() - out, bytes.data() + at, span);
+    if (ZSTD_isError(got)) {
+      throw format_error(source + ": zstd refused the chunk (" + ZSTD_getErrorName(got) +
+                         "); it is corrupt or truncated");
+    }
+    out += got;
+  }
+  if (out != plain.size()) {
+    throw format_error(source + ": the zstd frames stated " + std::to_string(plain.size()) +
+                       " bytes but decompressed to " + std::to_string(out));
+  }
+  return plain;
+}
+
 // The chunk's compressed bytes. zstd_level: 1 (fast) to 19.
 inline std::vector<std::byte> encode_chunk(const layout::HfModel& hf, const Chunk& c,
                                            int zstd_level = 3) {
@@ -182,8 +288,14 @@ inline std::vector<std::byte> encode_chunk(const layout::HfModel& hf, const Chun
   w.set_metadata("dte.base", std::to_string(c.header.base));
   w.set_metadata("dte.chunk", std::to_string(c.header.chunk));
   w.set_metadata("dte.writer", std::to_string(c.header.writer));
-  w.set_metadata("dte.encoding", "value");
-  for (const TensorDelta& t : c.tensors) {
+  w.set_metadata("dte.encoding", std::string(encoding_name(c.encoding)));
+  if (c.encoding == Encoding::xor_base && c.header.base == no_version) {
+    throw invalid_argument("dte::storage::encode_chunk: an anchor (no base) cannot be XOR-encoded");
+  }
+  std::vector<std::vector<std::uint8_t>> hi(c.tensors.size()), lo(c.tensors.size());
+  std::size_t values = 0;
+  for (std::size_t k = 0; k < c.tensors.size(); ++k) {
+    const TensorDelta& t = c.tensors[k];
     if (t.tensor < 0 || t.tensor >= hf.size()) {
       throw invalid_argument("dte::storage::encode_chunk: tensor id " + std::to_string(t.tensor) +
                              " is not one of the model's " + std::to_string(hf.size()));
@@ -202,27 +314,45 @@ inline std::vector<std::byte> encode_chunk(const layout::HfModel& hf, const Chun
     }
     std::vector<std::uint8_t> gaps;
     put_gaps(t.index, gaps);
-    std::vector<std::uint8_t> planes(2 * t.bits.size());
-    for (std::size_t k = 0; k < t.bits.size(); ++k) {
-      planes[k] = static_cast<std::uint8_t>(t.bits[k] >> 8);
-      planes[t.bits.size() + k] = static_cast<std::uint8_t>(t.bits[k]);
-    }
+    values += t.bits.size();
     w.add<std::uint8_t>(name + ":index", {gaps.size()}, gaps, io::DType::U8);
-    w.add<std::uint8_t>(name + ":value", {2, t.bits.size()}, planes, io::DType::U8);
+    for (std::uint16_t b : t.bits) {
+      hi[k].push_back(static_cast<std::uint8_t>(b >> 8));
+      lo[k].push_back(static_cast<std::uint8_t>(b));
+    }
   }
+  // (the data in the order the tensors are added: every index, every high byte, every low byte)
+  for (std::size_t k = 0; k < c.tensors.size(); ++k)
+    w.add<std::uint8_t>(hf.name(c.tensors[k].tensor) + ":value_hi", {hi[k].size()}, hi[k],
+                        io::DType::U8);
+  for (std::size_t k = 0; k < c.tensors.size(); ++k)
+    w.add<std::uint8_t>(hf.name(c.tensors[k].tensor) + ":value_lo", {lo[k].size()}, lo[k],
+                        io::DType::U8);
   const std::vector<std::byte> plain = w.serialize();
+  const std::span<const std::byte> all(plain);
+  std::uint64_t header = 0;  // the safetensors header: its 8-byte length, then the JSON
+  for (int b = 0; b < 8; ++b)
+    header |= std::to_integer<std::uint64_t>(plain[static_cast<std::size_t>(b)]) << (8 * b);
+  const auto head = static_cast<std::size_t>(8 + header);
+  const std::size_t first = plain.size() - 2 * values;  // the end of the indices
   ZSTD_CCtx* cctx = ZSTD_createCCtx();
   if (cctx == nullptr) throw error("dte::storage::encode_chunk: zstd could not allocate a context");
-  std::vector<std::byte> out(ZSTD_compressBound(plain.size()));
   ZSTD_CCtx_setParameter(cctx, ZSTD_c_compressionLevel, zstd_level);
   ZSTD_CCtx_setParameter(cctx, ZSTD_c_checksumFlag, 1);
   ZSTD_CCtx_setParameter(cctx, ZSTD_c_contentSizeFlag, 1);
-  const std::size_t n = ZSTD_compress2(cctx, out.data(), out.size(), plain.data(), plain.size());
-  ZSTD_freeCCtx(cctx);
-  if (ZSTD_isError(n)) {
-    throw error(std::string("dte::storage::encode_chunk: zstd failed: ") + ZSTD_getErrorName(n));
+  std::vector<std::byte> out;
+  try {
+    detail::compress_frame(cctx, all.first(head), out);
+    if (first > head) detail::compress_frame(cctx, all.subspan(head, first - head), out);
+    if (values > 0) {
+      detail::compress_frame(cctx, all.subspan(first, values), out);
+      detail::compress_frame(cctx, all.subspan(first + values), out);
+    }
+  } catch (...) {
+    ZSTD_freeCCtx(cctx);
+    throw;
   }
-  out.resize(n);
+  ZSTD_freeCCtx(cctx);
   return out;
 }
 
@@ -232,41 +362,20 @@ inline std::vector<std::byte> encode_chunk(const layout::HfModel& hf, const Chun
 inline Chunk decode_chunk(const layout::HfModel& hf, std::span<const std::byte> bytes,
                           const std::string& source, const ChunkHeader* expect = nullptr,
                           std::uint64_t max_bytes = max_decoded_bytes) {
-  const unsigned long long size = ZSTD_getFrameContentSize(bytes.data(), bytes.size());
-  if (size == ZSTD_CONTENTSIZE_ERROR) {
-    throw format_error(source + ": not a zstd frame (" + std::to_string(bytes.size()) +
-                       " bytes); not a dte chunk, or a truncated one");
-  }
-  if (size == ZSTD_CONTENTSIZE_UNKNOWN) {
-    throw format_error(source +
-                       ": the zstd frame does not state its decompressed size; dte "
-                       "chunks always do");
-  }
-  if (size > max_bytes) {
-    throw bounds_error(source + ": the zstd frame decompresses to " + std::to_string(size) +
-                       " bytes, over the chunk limit of " + std::to_string(max_bytes));
-  }
-  std::vector<std::byte> plain(static_cast<std::size_t>(size));
-  const std::size_t got = ZSTD_decompress(plain.data(), plain.size(), bytes.data(), bytes.size());
-  if (ZSTD_isError(got)) {
-    throw format_error(source + ": zstd refused the chunk (" + ZSTD_getErrorName(got) +
-                       "); it is corrupt or truncated");
-  }
-  if (got != plain.size()) {
-    throw format_error(source + ": the zstd frame stated " + std::to_string(size) +
-                       " bytes but decompressed to " + std::to_string(got));
-  }
+  std::vector<std::byte> plain = decompress_frames(bytes, source, max_bytes);
   const io::SafetensorsFile file = io::SafetensorsFile::parse(std::move(plain), source);
   const auto& meta = file.metadata();
   if (detail::metadata_or_refuse(meta, "dte.format", source) != chunk_format) {
     throw format_error(source + ": dte.format is \"" + meta.at("dte.format") + "\", this reader " +
                        "reads \"" + std::string(chunk_format) + "\"");
   }
-  if (detail::metadata_or_refuse(meta, "dte.encoding", source) != "value") {
-    throw format_error(source + ": dte.encoding \"" + meta.at("dte.encoding") +
-                       "\" is not one this reader applies (value)");
+  const std::string encoding = detail::metadata_or_refuse(meta, "dte.encoding", source);
+  if (encoding != "value" && encoding != "xor") {
+    throw format_error(source + ": dte.encoding \"" + encoding +
+                       "\" is not one this reader applies (value, xor)");
   }
   Chunk c;
+  c.encoding = encoding == "xor" ? Encoding::xor_base : Encoding::value;
   c.header.version = detail::metadata_u64(meta, "dte.version", source);
   c.header.base = detail::metadata_u64(meta, "dte.base", source);
   const std::uint64_t chunk = detail::metadata_u64(meta, "dte.chunk", source);
@@ -276,6 +385,9 @@ inline Chunk decode_chunk(const layout::HfModel& hf, std::span<const std::byte> 
   }
   c.header.chunk = static_cast<std::uint32_t>(chunk);
   c.header.writer = static_cast<std::uint32_t>(writer);
+  if (c.encoding == Encoding::xor_base && c.header.base == no_version) {
+    throw format_error(source + ": an XOR-encoded chunk without a base version");
+  }
   if (expect != nullptr && !(c.header == *expect)) {
     throw protocol_error(
         source + ": the chunk says version " + std::to_string(c.header.version) + " base " +
@@ -288,45 +400,50 @@ inline Chunk decode_chunk(const layout::HfModel& hf, std::span<const std::byte> 
   std::map<std::string, std::int64_t, std::less<>> ids;
   for (std::int64_t t = 0; t < hf.size(); ++t)
     ids.emplace(hf.name(t), t);
+  constexpr std::string_view parts[3] = {":index", ":value_hi", ":value_lo"};
   for (const io::TensorInfo& info : file.tensors()) {
     const auto colon = info.name.rfind(':');
     const std::string_view suffix =
         colon == std::string::npos ? std::string_view{} : std::string_view(info.name).substr(colon);
-    if (suffix != ":index" && suffix != ":value") {
+    if (std::find(std::begin(parts), std::end(parts), suffix) == std::end(parts)) {
       throw format_error(source + ": tensor '" + info.name +
-                         "' is neither '<name>:index' nor '<name>:value'");
+                         "' is not '<name>:index', '<name>:value_hi' or '<name>:value_lo'");
     }
     const std::string name = info.name.substr(0, colon);
     if (!ids.contains(name)) {
       throw format_error(source + ": tensor '" + name + "' is not a tensor of " + hf.spec().name);
     }
-    const char* other = suffix == ":index" ? ":value" : ":index";
-    if (file.find(name + other) == nullptr) {
-      throw format_error(source + ": '" + info.name + "' without '" + name + other + "'");
+    for (std::string_view other : parts) {
+      if (file.find(name + std::string(other)) == nullptr) {
+        throw format_error(source + ": '" + info.name + "' without '" + name +
+                           std::string(other) + "'");
+      }
     }
   }
   for (const io::TensorInfo& info : file.tensors()) {
     if (!info.name.ends_with(":index")) continue;
     const std::string name = info.name.substr(0, info.name.size() - 6);
-    const io::TensorInfo& values = file.at(name + ":value");
+    const io::TensorInfo& hi = file.at(name + ":value_hi");
+    const io::TensorInfo& lo = file.at(name + ":value_lo");
     const std::string where = source + ": " + name;
-    if (info.dtype != io::DType::U8 || info.shape.size() != 1 || values.dtype != io::DType::U8 ||
-        values.shape.size() != 2 || values.shape[0] != 2) {
-      throw format_error(where + ": ':index' must be U8 [k] and ':value' U8 [2, n]");
+    if (info.dtype != io::DType::U8 || info.shape.size() != 1 || hi.dtype != io::DType::U8 ||
+        hi.shape.size() != 1 || lo.dtype != io::DType::U8 || lo.shape != hi.shape) {
+      throw format_error(where + ": ':index', ':value_hi' and ':value_lo' must be U8 [k], U8 [n] "
+                                 "and U8 [n]");
     }
     const std::int64_t id = ids.find(name)->second;
-    const std::uint64_t n = values.shape[1];
+    const std::uint64_t n = hi.shape[0];
     const auto gap_bytes = file.bytes(info);
     TensorDelta t;
     t.tensor = id;
     t.index = get_gaps({reinterpret_cast<const std::uint8_t*>(gap_bytes.data()), gap_bytes.size()},
                        n, static_cast<std::uint64_t>(hf[id].numel()), where);
-    const auto planes = file.bytes(values);
+    const auto high = file.bytes(hi);
+    const auto low = file.bytes(lo);
     t.bits.resize(static_cast<std::size_t>(n));
     for (std::size_t k = 0; k < t.bits.size(); ++k) {
-      t.bits[k] =
-          static_cast<std::uint16_t>((std::to_integer<std::uint16_t>(planes[k]) << 8) |
-                                     std::to_integer<std::uint16_t>(planes[t.bits.size() + k]));
+      t.bits[k] = static_cast<std::uint16_t>((std::to_integer<std::uint16_t>(high[k]) << 8) |
+                                             std::to_integer<std::uint16_t>(low[k]));
     }
     c.tensors.push_back(std::move(t));
   }

@@ -61,6 +61,9 @@ struct PublisherConfig {
   int zstd_level = 3;              // 1 .. 19
   std::uint64_t chunk_entries = std::uint64_t{1} << 24;  // changed elements per chunk at most
   std::uint64_t anchor_file_bytes = std::uint64_t{2} << 30;  // an anchor's shard files
+  // value: deltas carry the new bits; xor_base: new XOR previous where the reconstruction
+  // knows the previous bits for certain (publish_every must be 1: the base is the last step)
+  Encoding encoding = Encoding::value;
 };
 
 // What one publication wrote; the same on every writer rank.
@@ -93,7 +96,10 @@ inline constexpr std::string_view hf_index_name = "model.safetensors.index.json"
 
 namespace detail {
 
-// One writer's chunks of one version, filled in shard order by the pipeline's emitter.
+// One writer's chunks of one version, filled in shard order by the pipeline's emitter. Xor:
+// every changed element whose previous value the reconstruction knows for certain goes into an
+// XOR chunk (new bits XOR previous bits), the few others into a value chunk beside it.
+template <bool Xor>
 class ChunkSink {
  public:
   ChunkSink(const layout::HfModel& hf, std::filesystem::path dir, ChunkHeader header, bool anchor,
@@ -103,33 +109,65 @@ class ChunkSink {
         header_(header),
         anchor_(anchor),
         level_(cfg.zstd_level),
-        limit_(cfg.chunk_entries),
-        open_(static_cast<std::size_t>(hf.size())) {}
-
-  void operator()(std::uint32_t tensor, std::uint32_t index, std::uint16_t bits) {
-    TensorDelta& d = open_[tensor];
-    if (d.index.empty()) touched_.push_back(tensor);
-    d.index.push_back(index);
-    d.bits.push_back(bits);
-    if (++pending_ >= limit_) flush();
+        limit_(cfg.chunk_entries) {
+    for (Open& o : open_)
+      o.tensors.resize(static_cast<std::size_t>(hf.size()));
   }
 
-  // Writes the open chunk (nothing when it is empty).
+  // (wants_base: the sender passes each element's previous bits and whether they are certain)
+  static constexpr bool wants_base = Xor;
+
+  void operator()(std::uint32_t tensor, std::uint32_t index, std::uint16_t bits) {
+    add(open_[0], tensor, index, bits);
+  }
+  void operator()(std::uint32_t tensor, std::uint32_t index, std::uint16_t bits,
+                  std::uint16_t previous, bool certain) {
+    if (certain) {
+      add(open_[1], tensor, index, static_cast<std::uint16_t>(bits ^ previous));
+    } else {
+      add(open_[0], tensor, index, bits);
+    }
+  }
+
+  // Writes the open chunks (nothing for an empty one).
   void flush() {
-    if (pending_ == 0) return;
+    write(open_[0], Encoding::value);
+    write(open_[1], Encoding::xor_base);
+  }
+
+  [[nodiscard]] const std::vector<ChunkEntry>& written() const noexcept { return written_; }
+
+ private:
+  struct Open {
+    std::vector<TensorDelta> tensors;  // per HF tensor
+    std::vector<std::uint32_t> touched;
+    std::uint64_t pending = 0;
+  };
+
+  void add(Open& o, std::uint32_t tensor, std::uint32_t index, std::uint16_t bits) {
+    TensorDelta& d = o.tensors[tensor];
+    if (d.index.empty()) o.touched.push_back(tensor);
+    d.index.push_back(index);
+    d.bits.push_back(bits);
+    if (++o.pending >= limit_) flush();
+  }
+
+  void write(Open& o, Encoding encoding) {
+    if (o.pending == 0) return;
     Chunk c;
     c.header = header_;
     c.header.chunk = static_cast<std::uint32_t>(written_.size());
-    std::sort(touched_.begin(), touched_.end());
-    for (std::uint32_t t : touched_) {
-      TensorDelta& d = open_[t];
+    c.encoding = encoding;
+    std::sort(o.touched.begin(), o.touched.end());
+    for (std::uint32_t t : o.touched) {
+      TensorDelta& d = o.tensors[t];
       d.tensor = t;
       sort_by_index(d);
       c.tensors.push_back(std::move(d));
       d = TensorDelta{};
     }
-    touched_.clear();
-    pending_ = 0;
+    o.touched.clear();
+    o.pending = 0;
     const std::vector<std::byte> bytes = encode_chunk(*hf_, c, level_);
     const std::string name = anchor_ ? anchor_part_name(c.header.chunk, c.header.writer)
                                      : chunk_file_name(c.header.chunk, c.header.writer);
@@ -137,9 +175,6 @@ class ChunkSink {
     written_.push_back({name, bytes.size(), checksum(bytes), c.header.chunk, c.header.writer});
   }
 
-  [[nodiscard]] const std::vector<ChunkEntry>& written() const noexcept { return written_; }
-
- private:
   // A writer's elements of one tensor arrive in shard order, which is index order for every
   // layout dte knows; sort when it is not.
   static void sort_by_index(TensorDelta& d) {
@@ -163,9 +198,7 @@ class ChunkSink {
   bool anchor_;
   int level_;
   std::uint64_t limit_;
-  std::vector<TensorDelta> open_;  // per HF tensor
-  std::vector<std::uint32_t> touched_;
-  std::uint64_t pending_ = 0;
+  Open open_[2];  // value, xor
   std::vector<ChunkEntry> written_;
 };
 
@@ -306,13 +339,18 @@ class Publisher {
       marked_ = true;
       return std::nullopt;
     }
-    return publish(access);
+    stepped_once_ = steps_ == published_step_ + 1;
+    PublishReport rep = publish(access);
+    published_step_ = steps_;
+    return rep;
   }
 
   // Publishes now: a delta of what changed since the last publication, or an anchor.
   template <class Access>
   PublishReport publish(const Access& access) {
-    return publish_version(access, false);
+    PublishReport rep = publish_version(access, false);
+    stepped_once_ = false;
+    return rep;
   }
 
   // Publishes an anchor now.
@@ -324,10 +362,12 @@ class Publisher {
  private:
   static PublisherConfig checked(const PublisherConfig& c) {
     if (c.anchor_every < 0 || c.publish_every < 1 || c.zstd_level < 1 || c.zstd_level > 19 ||
-        c.chunk_entries < 1 || c.anchor_file_bytes < 1) {
+        c.chunk_entries < 1 || c.anchor_file_bytes < 1 ||
+        (c.encoding == Encoding::xor_base && c.publish_every != 1)) {
       throw invalid_argument(
           "storage::PublisherConfig: anchor_every must be >= 0, publish_every >= 1, zstd_level "
-          "in 1..19, chunk_entries and anchor_file_bytes >= 1");
+          "in 1..19, chunk_entries and anchor_file_bytes >= 1, and the xor encoding needs "
+          "publish_every 1 (its base is the previous optimizer step)");
     }
     return c;
   }
@@ -462,10 +502,19 @@ class Publisher {
       std::error_code ec;
       std::filesystem::create_directories(dir, ec);
       if (ec) throw io_error("cannot create '" + dir.string() + "': " + ec.message());
-      detail::ChunkSink sink(*hf_, dir, {v, base, 0, rank}, anchor, cfg_);
-      scan = sender_.scan_canonical(access, mode, sink);
-      sink.flush();
-      mine = sink.written();
+      const auto pass = [&](auto& sink) {
+        scan = sender_.scan_canonical(access, mode, sink);
+        sink.flush();
+        mine = sink.written();
+      };
+      // (XOR needs the base to be the previous optimizer step: one step() since the last one)
+      if (cfg_.encoding == Encoding::xor_base && !anchor && stepped_once_) {
+        detail::ChunkSink<true> sink(*hf_, dir, {v, base, 0, rank}, anchor, cfg_);
+        pass(sink);
+      } else {
+        detail::ChunkSink<false> sink(*hf_, dir, {v, base, 0, rank}, anchor, cfg_);
+        pass(sink);
+      }
     } catch (const std::exception& e) {
       err = e.what();
     }
@@ -562,6 +611,8 @@ class Publisher {
   Sender sender_;
   Version version_ = 0;
   std::int64_t steps_ = 0;
+  std::int64_t published_step_ = 0;  // steps_ at the last publication through step()
+  bool stepped_once_ = false;        // this publication follows exactly one step() (XOR's base)
   bool marked_ = false;
   bool need_anchor_ = false;
   io::detail::FdGuard lock_{-1};  // rank 0: the root's writer lock

@@ -236,9 +236,20 @@ class Reader {
       for (const ChunkEntry& e : order) {
         const Chunk c = read_chunk(*hf_, dir, m, e);
         rep.bytes_read += e.bytes;
+        const bool xor_base = c.encoding == Encoding::xor_base;
+        if (xor_base && receivers_.front()->has_sink()) {
+          throw unsupported((dir / e.file).string() +
+                            ": XOR-encoded, and this reader's tensors are device memory it does "
+                            "not read back; publish with the value encoding");
+        }
         for (const TensorDelta& d : c.tensors) {
-          for (std::size_t k = 0; k < d.index.size(); ++k)
-            put(d.tensor, d.index[k], d.bits[k]);
+          for (std::size_t k = 0; k < d.index.size(); ++k) {
+            // XOR: decoded against the value held (the chain holds exactly the base), into the
+            // staged messages; nothing is written until every chunk is decoded.
+            const std::uint16_t bits = xor_base ? held_bits(d.tensor, d.index[k]) ^ d.bits[k]
+                                                : d.bits[k];
+            put(d.tensor, d.index[k], static_cast<std::uint16_t>(bits));
+          }
         }
       }
     }
@@ -269,6 +280,19 @@ class Reader {
       committed_any = committed_any || r.outcome == ApplyOutcome::committed;
     }
     check_digest(m);
+  }
+
+  // The bits the first served replica holds for canonical element (tensor, index).
+  [[nodiscard]] std::uint16_t held_bits(std::int64_t tensor, std::int64_t index) const {
+    std::uint16_t bits = 0;
+    bool first = true;
+    layout_->targets(layout::Canonical{tensor, index}, [&](const layout::ReceiverElement& e) {
+      if (!first) return;
+      first = false;
+      bits = receivers_[static_cast<std::size_t>(e.ts)]->tensor(e.tensor)[static_cast<std::size_t>(
+          e.index)];
+    });
+    return bits;
   }
 
   // Per served replica and canonical tensor: its ranks' digests sum to the copies it holds

@@ -158,14 +158,17 @@ inline VerifyReport verify_root(const layout::HfModel& hf, const std::filesystem
       }
       if (files_ok && at == m.base) {
         for (const Chunk& c : chunks) {
+          const bool xor_base = c.encoding == Encoding::xor_base;
           for (const TensorDelta& d : c.tensors) {
             auto& s = state[static_cast<std::size_t>(d.tensor)];
             Digest& sum = digest[static_cast<std::size_t>(d.tensor)];
             const std::int64_t base = hf[d.tensor].base;
             for (std::size_t k = 0; k < d.index.size(); ++k) {
               const std::int64_t g = base + d.index[k];
-              sum += element_digest(g, d.bits[k]) - element_digest(g, s[d.index[k]]);
-              s[d.index[k]] = d.bits[k];
+              const std::uint16_t old = s[d.index[k]];
+              const auto now = static_cast<std::uint16_t>(xor_base ? old ^ d.bits[k] : d.bits[k]);
+              sum += element_digest(g, now) - element_digest(g, old);
+              s[d.index[k]] = now;
             }
           }
         }
