@@ -66,8 +66,9 @@ struct Setup {
         trainer(hf, train, recv, {.lr = lr, .warmup_steps = 0}),
         writers(hf, train, dir.path, cfg, 2) {}
 
-  sim::OwnedReader reader(std::vector<std::int64_t> replicas = {0}) {
-    return sim::OwnedReader(hf, recv, dir.path, std::move(replicas));
+  sim::OwnedReader reader(std::vector<std::int64_t> replicas = {0},
+                          storage::ReaderConfig cfg = {}) {
+    return sim::OwnedReader(hf, recv, dir.path, std::move(replicas), std::move(cfg));
   }
   std::int64_t mismatches(const sim::OwnedReader& r, const std::vector<float>& canonical) const {
     return sim::dense_mismatches(hf, recv, canonical, r->receivers());
@@ -87,7 +88,7 @@ fs::path first_chunk(const fs::path& dir) {
 TEST_CASE("readers that keep up, lag 3 versions or start late end bit-identical") {
   Setup s({.anchor_every = 5});
   auto live = s.reader({0, 1});
-  auto lagging = s.reader({1});
+  auto lagging = s.reader({1}, {.name = "lagging"});  // registered: retention keeps its chain
   std::vector<std::vector<float>> weights;  // by version
   weights.push_back({});
   const auto first = s.writers.publish(s.access);
@@ -369,7 +370,7 @@ TEST_CASE("xor encoding: smaller, and every reader ends bit-identical; verify re
   Setup values({.anchor_every = 6});
   Setup xored({.anchor_every = 6, .encoding = storage::Encoding::xor_base});
   auto live = xored.reader({0, 1});
-  auto lagging = xored.reader({1});
+  auto lagging = xored.reader({1}, {.name = "lagging"});
   std::vector<std::vector<float>> weights{{}};
   values.writers.publish(values.access);
   xored.writers.publish(xored.access);
@@ -407,10 +408,47 @@ TEST_CASE("xor encoding: smaller, and every reader ends bit-identical; verify re
   CHECK(saw_xor);
   const auto report = storage::verify_root(xored.hf, xored.dir.path);
   CHECK(report.ok());
-  CHECK(report.digests == 10);
+  CHECK(report.digests == report.versions);  // every version left (retention removed those below 6)
+  CHECK(report.versions == 5);
   // XOR needs one optimizer step per publication.
   CHECK_THROWS_AS(sim::StorageCluster(xored.hf, xored.train, xored.dir.path / "k",
                                       {.publish_every = 2,
                                        .encoding = storage::Encoding::xor_base}),
                   invalid_argument);
+}
+
+TEST_CASE("retention: only what no registered reader can need goes; M10 incomplete stays") {
+  Setup s({.anchor_every = 3});
+  auto slow = s.reader({0}, {.name = "slow"});
+  s.writers.publish(s.access);
+  REQUIRE(slow->poll().ok());  // registered at 1
+  // A version directory without a manifest, below LATEST (copied by hand).
+  for (int i = 0; i < 8; ++i) {
+    s.trainer.step();
+    const auto rep = s.writers.step(s.access);
+    CHECK(rep->collect_problem.empty());
+    if (rep->version == 2) fs::remove(storage::version_dir(s.dir.path, 2) / storage::manifest_name);
+  }
+  // LATEST 9; anchors 1, 3, 6, 9. The slow reader holds 1: nothing below 1 exists, so all stays.
+  for (Version v = 1; v <= 9; ++v)
+    CHECK(fs::exists(storage::version_dir(s.dir.path, v)));
+  // The reader catches up to 9: the next publication removes everything below anchor 9 except
+  // the manifest-less directory, which is reported and kept.
+  REQUIRE(slow->poll().ok());
+  CHECK(storage::registered_readers(s.dir.path).at("slow") == 9);
+  s.trainer.step();
+  const auto rep = s.writers.step(s.access);
+  CHECK(rep->collected == std::vector<Version>{1, 3, 4, 5, 6, 7, 8});
+  CHECK(fs::exists(storage::version_dir(s.dir.path, 2)));
+  const auto c = storage::collect(s.hf, s.dir.path);
+  CHECK(c.keep_from == 9);
+  CHECK(c.incomplete == std::vector<Version>{2});
+  // An unregistered reader starting now still finds its way (the newest anchor is kept).
+  auto fresh = s.reader();
+  REQUIRE(fresh->poll().ok());
+  CHECK(s.mismatches(fresh, s.trainer.canonical_weights()) == 0);
+  CHECK(storage::verify_root(s.hf, s.dir.path).ok());
+  // A registration that does not parse stops retention rather than guessing.
+  std::ofstream(s.dir.path / "readers" / "broken") << "v12";
+  CHECK_THROWS_AS((void)storage::collect(s.hf, s.dir.path), format_error);
 }

@@ -190,8 +190,12 @@ int simulate_storage(const SimulateOptions& o) {
   for (std::size_t r = 0; r < all.size(); ++r)
     all[r] = static_cast<std::int64_t>(r);
   sim::OwnedReader live(s.hf, s.recv, o.dir, all);
+  // (registered: retention keeps the versions it still has to replay)
   std::unique_ptr<sim::OwnedReader> lagging;
-  if (o.reader_lag > 0) lagging = std::make_unique<sim::OwnedReader>(s.hf, s.recv, o.dir, all);
+  if (o.reader_lag > 0) {
+    lagging = std::make_unique<sim::OwnedReader>(s.hf, s.recv, o.dir, all,
+                                                 storage::ReaderConfig{.name = "lagging"});
+  }
   const bool check = s.infer.ranks() * s.recv.live_elements(0) <= kDenseCheckLimit;
   std::deque<std::pair<Version, std::vector<float>>> history;  // the lagging reader's targets
   bool identical = true, all_ok = true;

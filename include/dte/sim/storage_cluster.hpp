@@ -97,7 +97,8 @@ class StorageCluster {
 class OwnedReader {
  public:
   OwnedReader(const layout::HfModel& hf, const layout::SglangLayout& layout,
-              std::filesystem::path root, std::vector<std::int64_t> replicas) {
+              std::filesystem::path root, std::vector<std::int64_t> replicas,
+              storage::ReaderConfig cfg = {}) {
     std::vector<ReceiverTensors> views;
     const std::int64_t tp = layout.topology().tp;
     tensors_.resize(replicas.size() * static_cast<std::size_t>(tp));
@@ -110,7 +111,7 @@ class OwnedReader {
       views.push_back(std::move(v));
     }
     reader_ = std::make_unique<storage::Reader>(hf, layout, std::move(root), std::move(replicas),
-                                                std::move(views));
+                                                std::move(views), std::move(cfg));
   }
   storage::Reader& operator*() noexcept { return *reader_; }
   storage::Reader* operator->() noexcept { return reader_.get(); }

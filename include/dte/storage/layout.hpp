@@ -49,10 +49,11 @@ inline void write_latest(const std::filesystem::path& root, Version v) {
   io::write_file_atomic(root / latest_name, std::as_bytes(std::span(text)), "LATEST pointer");
 }
 
-// The version LATEST names, or nullopt when there is none yet (nothing published). format_error
-// when it is anything but exactly "v<20 digits>\n" naming a version within the limits.
-inline std::optional<Version> read_latest(const std::filesystem::path& root) {
-  const std::string name = (root / latest_name).string();
+// The version LATEST names (read_latest_file: any pointer file of that form, e.g. a reader's
+// registration), or nullopt when there is none yet (nothing published). format_error when it is
+// anything but exactly "v<20 digits>\n" naming a version within the limits.
+inline std::optional<Version> read_latest_file(const std::filesystem::path& file) {
+  const std::string name = file.string();
   io::detail::FdGuard fd(::open(name.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
   if (fd.get() < 0) {
     const int err = errno;
@@ -80,6 +81,10 @@ inline std::optional<Version> read_latest(const std::filesystem::path& root) {
                        std::to_string(max_version));
   }
   return v;
+}
+
+inline std::optional<Version> read_latest(const std::filesystem::path& root) {
+  return read_latest_file(root / latest_name);
 }
 
 }  // namespace dte::storage

@@ -17,7 +17,8 @@
 //      vLLM); the manifest is written last and exclusively (of two publishers of V one wins, the
 //      other fails naming the conflict), the directory fsynced, then LATEST replaced atomically;
 //      (one writer group per root: rank 0 holds ROOT/writer.lock; a version directory above
-//      everything complete is a dead writer's and is cleared first)
+//      everything complete is a dead writer's and is cleared first); then retention
+//      (storage/retention.hpp) removes what no reader can need;
 //   5. the world agrees on rank 0's outcome: every rank returns the same report or throws.
 // A crash anywhere before LATEST moves leaves the old version current: readers never see V
 // (files without a manifest are ignored, and replaced or collected later).
@@ -52,6 +53,7 @@
 #include "dte/storage/layout.hpp"
 #include "dte/storage/manifest.hpp"
 #include "dte/storage/read.hpp"
+#include "dte/storage/retention.hpp"
 
 namespace dte::storage {
 
@@ -64,6 +66,8 @@ struct PublisherConfig {
   // value: deltas carry the new bits; xor_base: new XOR previous where the reconstruction
   // knows the previous bits for certain (publish_every must be 1: the base is the last step)
   Encoding encoding = Encoding::value;
+  // after every publication rank 0 removes what no reader can need (storage/retention.hpp)
+  bool collect = true;
 };
 
 // What one publication wrote; the same on every writer rank.
@@ -77,6 +81,9 @@ struct PublishReport {
   std::uint64_t dense_bytes = 0;  // the model as dense BF16
   Digest digest = 0;              // the full-state digest, summed over tensors
   double seconds = 0;
+  // rank 0 only: the versions retention removed after publishing, or why it could not
+  std::vector<Version> collected;
+  std::string collect_problem;
   [[nodiscard]] bool anchor() const noexcept { return base == no_version; }
 };
 
@@ -550,6 +557,8 @@ class Publisher {
     for (std::size_t t = 0; t < tensors; ++t)
       m.digest.push_back(static_cast<Digest>(sums[3 + writers + t]));
     std::vector<std::uint64_t> outcome(2, 0);  // bytes on storage, files
+    CollectReport collected;
+    std::string collect_problem;
     if (rank == 0) {
       try {
         std::vector<ChunkEntry> listed;
@@ -576,6 +585,14 @@ class Publisher {
                                "its chunks were replaced, publish again from an anchor");
         }
         write_latest(root_, v);
+        if (cfg_.collect) {
+          // (the version is published: a failure here is reported, not a failed publication)
+          try {
+            collected = collect(*hf_, root_);
+          } catch (const std::exception& e) {
+            collect_problem = e.what();
+          }
+        }
         outcome[0] = text.size();
         for (const ChunkEntry& e : m.chunks)
           outcome[0] += e.bytes;
@@ -599,6 +616,8 @@ class Publisher {
     rep.dense_bytes = 2 * static_cast<std::uint64_t>(hf_->total());
     for (Digest d : m.digest)
       rep.digest += d;
+    rep.collected = std::move(collected.removed);
+    rep.collect_problem = std::move(collect_problem);
     rep.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return rep;
   }

@@ -41,11 +41,15 @@
 #include "dte/storage/layout.hpp"
 #include "dte/storage/manifest.hpp"
 #include "dte/storage/read.hpp"
+#include "dte/storage/retention.hpp"
 
 namespace dte::storage {
 
 struct ReaderConfig {
   std::size_t max_chain = 4096;  // manifests walked to find the way from the version held
+  // non-empty: registered under this name (ROOT/readers/<name>) with every version it reaches,
+  // so retention keeps what it needs to follow deltas from there (storage/retention.hpp)
+  std::string name;
 };
 
 // What one poll did.
@@ -192,6 +196,13 @@ class Reader {
     } catch (const std::exception& e) {
       rep.error = e.what();
       rep.to = version();
+    }
+    if (!cfg_.name.empty() && !rep.applied.empty() && !dirty_) {
+      try {
+        register_reader(root_, cfg_.name, version());
+      } catch (const std::exception& e) {
+        rep.error += (rep.error.empty() ? "" : "; ") + std::string(e.what());
+      }
     }
     return rep;
   }
