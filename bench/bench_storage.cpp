@@ -18,8 +18,8 @@
 #include <string>
 #include <vector>
 
-#include <nlohmann/json.hpp>
 #include <unistd.h>
+#include <nlohmann/json.hpp>
 
 #include "dte/layout/model.hpp"
 #include "dte/layout/topology.hpp"
@@ -84,8 +84,8 @@ std::size_t pulse(const std::vector<storage::TensorDelta>& d) {
 }
 
 // The changed elements of version v, from its chunks.
-std::vector<storage::TensorDelta> deltas(const layout::HfModel& hf, const std::filesystem::path& root,
-                                         Version v) {
+std::vector<storage::TensorDelta> deltas(const layout::HfModel& hf,
+                                         const std::filesystem::path& root, Version v) {
   const storage::Manifest m = storage::read_manifest(hf, root, v);
   std::vector<storage::TensorDelta> out;
   for (const auto& e : m.chunks) {
@@ -140,7 +140,8 @@ int main(int argc, char** argv) {
       const storage::PublishReport rep = *writers.step(access);
       changed = rep.changed;
       row[cfg_row.name] = static_cast<double>(rep.bytes) / static_cast<double>(rep.changed);
-      if (cfg_row.encoding == storage::Encoding::value && d.empty()) d = deltas(hf, root, rep.version);
+      if (cfg_row.encoding == storage::Encoding::value && d.empty())
+        d = deltas(hf, root, rep.version);
       std::filesystem::remove_all(root);
     }
     const double density = static_cast<double>(changed) / static_cast<double>(hf.total());

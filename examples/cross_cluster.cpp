@@ -26,9 +26,9 @@
 int main(int argc, char** argv) {
   using namespace dte;
   namespace fs = std::filesystem;
-  const fs::path root = argc > 1 ? fs::path(argv[1])
-                                 : fs::temp_directory_path() /
-                                       ("dte-cross-cluster-" + std::to_string(::getpid()));
+  const fs::path root =
+      argc > 1 ? fs::path(argv[1])
+               : fs::temp_directory_path() / ("dte-cross-cluster-" + std::to_string(::getpid()));
   fs::remove_all(root);
   const layout::HfModel model(layout::model_preset("small-qwen3"));
 
@@ -62,13 +62,13 @@ int main(int argc, char** argv) {
                   static_cast<unsigned long long>(reader.version()));
       return 1;
     }
-    std::printf("v%-3llu %-6s %9llu changed, %9llu bytes on storage (%.2f per changed), reader "
-                "holds v%llu\n",
-                static_cast<unsigned long long>(pub->version), pub->anchor() ? "anchor" : "delta",
-                static_cast<unsigned long long>(pub->changed),
-                static_cast<unsigned long long>(pub->bytes),
-                static_cast<double>(pub->bytes) / static_cast<double>(pub->changed),
-                static_cast<unsigned long long>(reader.version()));
+    std::printf(
+        "v%-3llu %-6s %9llu changed, %9llu bytes on storage (%.2f per changed), reader "
+        "holds v%llu\n",
+        static_cast<unsigned long long>(pub->version), pub->anchor() ? "anchor" : "delta",
+        static_cast<unsigned long long>(pub->changed), static_cast<unsigned long long>(pub->bytes),
+        static_cast<double>(pub->bytes) / static_cast<double>(pub->changed),
+        static_cast<unsigned long long>(reader.version()));
   }
   const auto differ =
       sim::dense_mismatches(model, infer, trainer.canonical_weights(), reader.receivers());

@@ -2,8 +2,8 @@
 // The canonical chunk codec (storage/chunk.hpp): the index gap code at its escape boundaries,
 // chunks that round trip exactly, and every refusal a reader of untrusted storage needs before
 // it may apply anything (RELIABILITY.md 6.1: F1-F3 through the zstd frame, F11/F18 unknown or
-// incomplete tensor triples, F16 a flipped bit, F17 indices out of range or malformed; 6.2 M12 a chunk
-// of another version or slot).
+// incomplete tensor triples, F16 a flipped bit, F17 indices out of range or malformed; 6.2 M12 a
+// chunk of another version or slot).
 #include <doctest/doctest.h>
 
 #include <zstd.h>
@@ -90,7 +90,7 @@ void refuses(std::span<const std::byte> bytes, const std::string& why,
 }  // namespace
 
 TEST_CASE("gap code: escapes at 255 and 65535, exact round trip, refusals name the fault") {
-  const std::vector<std::uint32_t> idx = {0,   1,   255,     256,        511,        767,
+  const std::vector<std::uint32_t> idx = {0,   1,     255,      256,         511,        767,
                                           768, 66303, 1u << 20, 0xFFFFFFFEu, 0xFFFFFFFFu};
   std::vector<std::uint8_t> code;
   storage::put_gaps(idx, code);
@@ -261,10 +261,10 @@ TEST_CASE("decode refuses foreign, unpaired, unknown and malformed tensors (F10,
                         "only 2 index bytes");
   // An index beyond the tensor (an escaped gap of 2^32 - 1).
   refuses<format_error>(crafted([&](io::SafetensorsWriter& w) {
-                          w.add<std::uint8_t>(embed + ":index", {7},
-                                              std::vector<std::uint8_t>{255, 255, 255, 255, 255,
-                                                                        255, 255},
-                                              io::DType::U8);
+                          w.add<std::uint8_t>(
+                              embed + ":index", {7},
+                              std::vector<std::uint8_t>{255, 255, 255, 255, 255, 255, 255},
+                              io::DType::U8);
                           values(w, embed, std::vector<std::uint8_t>{0});
                         }),
                         "outside the tensor");

@@ -89,7 +89,7 @@ TEST_CASE("readers that keep up, lag 3 versions or start late end bit-identical"
   Setup s({.anchor_every = 5});
   auto live = s.reader({0, 1});
   auto lagging = s.reader({1}, {.name = "lagging"});  // registered: retention keeps its chain
-  std::vector<std::vector<float>> weights;  // by version
+  std::vector<std::vector<float>> weights;            // by version
   weights.push_back({});
   const auto first = s.writers.publish(s.access);
   CHECK(first.version == 1);
@@ -172,8 +172,12 @@ TEST_CASE("M1, M2, M12: a missing, short or foreign chunk is never applied") {
   const fs::path saved = s.dir.path / "saved.zst";
   fs::copy_file(chunk, saved);
 
-  SUBCASE("M1 missing") { fs::remove(chunk); }
-  SUBCASE("M2 short") { fs::resize_file(chunk, fs::file_size(chunk) - 1); }
+  SUBCASE("M1 missing") {
+    fs::remove(chunk);
+  }
+  SUBCASE("M2 short") {
+    fs::resize_file(chunk, fs::file_size(chunk) - 1);
+  }
   SUBCASE("F16 a flipped bit") {
     std::fstream f(chunk, std::ios::in | std::ios::out | std::ios::binary);
     f.seekp(static_cast<std::streamoff>(fs::file_size(chunk) / 2));
@@ -267,8 +271,8 @@ TEST_CASE("M14: one publisher group per root; a race for one version has one win
   const std::string text = "{}";
   CHECK(io::write_file_exclusive(v9 / storage::manifest_name, std::as_bytes(std::span(text)),
                                  "manifest"));
-  CHECK_FALSE(io::write_file_exclusive(v9 / storage::manifest_name,
-                                       std::as_bytes(std::span(text)), "manifest"));
+  CHECK_FALSE(io::write_file_exclusive(v9 / storage::manifest_name, std::as_bytes(std::span(text)),
+                                       "manifest"));
   fs::remove_all(v9);
 }
 
@@ -402,8 +406,10 @@ TEST_CASE("xor encoding: smaller, and every reader ends bit-identical; verify re
   const storage::Manifest m = storage::read_manifest(xored.hf, xored.dir.path, 9);
   bool saw_xor = false;
   for (const auto& e : m.chunks) {
-    saw_xor = saw_xor || storage::read_chunk(xored.hf, storage::version_dir(xored.dir.path, 9), m, e)
-                                 .encoding == storage::Encoding::xor_base;
+    saw_xor =
+        saw_xor ||
+        storage::read_chunk(xored.hf, storage::version_dir(xored.dir.path, 9), m, e).encoding ==
+            storage::Encoding::xor_base;
   }
   CHECK(saw_xor);
   const auto report = storage::verify_root(xored.hf, xored.dir.path);
@@ -411,10 +417,10 @@ TEST_CASE("xor encoding: smaller, and every reader ends bit-identical; verify re
   CHECK(report.digests == report.versions);  // every version left (retention removed those below 6)
   CHECK(report.versions == 5);
   // XOR needs one optimizer step per publication.
-  CHECK_THROWS_AS(sim::StorageCluster(xored.hf, xored.train, xored.dir.path / "k",
-                                      {.publish_every = 2,
-                                       .encoding = storage::Encoding::xor_base}),
-                  invalid_argument);
+  CHECK_THROWS_AS(
+      sim::StorageCluster(xored.hf, xored.train, xored.dir.path / "k",
+                          {.publish_every = 2, .encoding = storage::Encoding::xor_base}),
+      invalid_argument);
 }
 
 TEST_CASE("retention: only what no registered reader can need goes; M10 incomplete stays") {

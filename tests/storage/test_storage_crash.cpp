@@ -115,10 +115,10 @@ TEST_CASE("a writer SIGKILLed at random points of publication, 50 trials") {
     REQUIRE_MESSAGE(rep.ok(), "trial " << trial << ": " << rep.error);
     CHECK(reader->version() == (latest == 0 ? no_version : latest));
     if (latest >= start) {
-      CHECK_MESSAGE(sim::dense_mismatches(w.hf, w.recv, w.weights(
-                                              static_cast<std::int64_t>(latest - start)),
-                                          reader->receivers()) == 0,
-                    "trial " << trial << ", version " << latest);
+      CHECK_MESSAGE(
+          sim::dense_mismatches(w.hf, w.recv, w.weights(static_cast<std::int64_t>(latest - start)),
+                                reader->receivers()) == 0,
+          "trial " << trial << ", version " << latest);
     }
   }
   MESSAGE(cut << " of 50 kills interrupted a publication; the reader applied " << applied

@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // dte simulate: the synthetic trainer publishing through DeltaEngine to every receiver, checked
 // against a dense sync. --transport loopback (default): every trainer and receiver rank a thread
-// of this process; --transport mpi: one rank per process of an MPI job (simulate_mpi.cpp); --transport
-// storage: writers and readers through a storage root (storage.cpp). One
-// driver for both (simulate_driver.hpp).
+// of this process; --transport mpi: one rank per process of an MPI job (simulate_mpi.cpp);
+// --transport storage: writers and readers through a storage root (storage.cpp). One driver for
+// both (simulate_driver.hpp).
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -92,8 +92,9 @@ void register_simulate(CLI::App& app, int& status) {
                   "MPI fault test: kill-receiver:R:V (receiver R SIGKILLs itself in version V's "
                   "payload round) or stall-trainer:G:V (trainer G stalls there past the deadline)");
   cmd->add_option("--dir", o->dir, "storage: the storage root (created if absent)");
-  cmd->add_option("--anchor-every", o->anchor_every,
-                  "storage: an anchor (HF checkpoint directory) every N versions; 0: only the first")
+  cmd->add_option(
+         "--anchor-every", o->anchor_every,
+         "storage: an anchor (HF checkpoint directory) every N versions; 0: only the first")
       ->capture_default_str()
       ->check(CLI::Range(std::int64_t{0}, std::int64_t{1'000'000}));
   cmd->add_option("--reader-lag", o->reader_lag,

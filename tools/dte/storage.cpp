@@ -103,7 +103,8 @@ int inspect(const std::string& root, const std::string& model, bool as_json) {
   nlohmann::ordered_json out;
   out["root"] = root;
   out["model"] = hf.spec().name;
-  out["latest"] = info.latest ? nlohmann::ordered_json(*info.latest) : nlohmann::ordered_json(nullptr);
+  out["latest"] =
+      info.latest ? nlohmann::ordered_json(*info.latest) : nlohmann::ordered_json(nullptr);
   if (!info.latest_problem.empty()) out["latest_problem"] = info.latest_problem;
   out["chain"] = info.chain;
   if (!info.chain_problem.empty()) out["chain_problem"] = info.chain_problem;
@@ -119,10 +120,11 @@ int inspect(const std::string& root, const std::string& model, bool as_json) {
   std::printf("%s: model %s, LATEST %s, chain %s\n", root.c_str(), hf.spec().name.c_str(),
               info.latest ? ("v" + std::to_string(*info.latest)).c_str()
                           : (info.latest_problem.empty() ? "none" : "UNREADABLE"),
-              info.chain.empty() ? "-" : ("v" + std::to_string(info.chain.front()) + " .. v" +
-                                          std::to_string(info.chain.back()) + " (" +
-                                          std::to_string(info.chain.size()) + " versions)")
-                                             .c_str());
+              info.chain.empty() ? "-"
+                                 : ("v" + std::to_string(info.chain.front()) + " .. v" +
+                                    std::to_string(info.chain.back()) + " (" +
+                                    std::to_string(info.chain.size()) + " versions)")
+                                       .c_str());
   std::printf("%-8s %-7s %-6s %5s %12s %10s %8s %9s %9s %6s\n", "version", "kind", "base", "files",
               "bytes", "changed", "density", "B/changed", "dense/x", "zstd");
   for (const auto& v : info.versions) {
@@ -164,12 +166,13 @@ int verify(const std::string& root, const std::string& model, bool as_json) {
   } else {
     for (const auto& p : rep.problems)
       std::printf("FAULT %s: %s\n", p.path.c_str(), p.what.c_str());
-    std::printf("%s: %llu versions, %llu files (%llu bytes) checked, %llu state digests "
-                "replayed: %s\n",
-                root.c_str(), static_cast<unsigned long long>(rep.versions),
-                static_cast<unsigned long long>(rep.files), static_cast<unsigned long long>(rep.bytes),
-                static_cast<unsigned long long>(rep.digests),
-                rep.ok() ? "OK" : (std::to_string(rep.problems.size()) + " fault(s)").c_str());
+    std::printf(
+        "%s: %llu versions, %llu files (%llu bytes) checked, %llu state digests "
+        "replayed: %s\n",
+        root.c_str(), static_cast<unsigned long long>(rep.versions),
+        static_cast<unsigned long long>(rep.files), static_cast<unsigned long long>(rep.bytes),
+        static_cast<unsigned long long>(rep.digests),
+        rep.ok() ? "OK" : (std::to_string(rep.problems.size()) + " fault(s)").c_str());
   }
   return rep.ok() ? exit_ok : exit_check_failed;
 }
@@ -177,7 +180,8 @@ int verify(const std::string& root, const std::string& model, bool as_json) {
 }  // namespace
 
 int simulate_storage(const SimulateOptions& o) {
-  if (o.dir.empty()) throw invalid_argument("--transport storage needs --dir DIR (the storage root)");
+  if (o.dir.empty())
+    throw invalid_argument("--transport storage needs --dir DIR (the storage root)");
   if (o.reader_lag < 0) throw invalid_argument("--reader-lag must be >= 0");
   Simulation s(o);
   storage::PublisherConfig cfg;
@@ -204,14 +208,15 @@ int simulate_storage(const SimulateOptions& o) {
     return check ? sim::dense_mismatches(s.hf, s.recv, w, r->receivers()) : -1;
   };
   if (!o.json) {
-    std::printf("dte simulate: %s (%lld parameters), train %s (%lld writers) -> storage %s -> "
-                "infer %s (%lld ranks), %lld steps, anchor every %lld, reader lag %lld, %s encoding, "
-                "lr %g\n",
-                s.spec.name.c_str(), static_cast<long long>(s.hf.total()), o.train.c_str(),
-                static_cast<long long>(s.train.world()), o.dir.c_str(), o.infer.c_str(),
-                static_cast<long long>(s.infer.ranks()), static_cast<long long>(o.steps),
-                static_cast<long long>(o.anchor_every), static_cast<long long>(o.reader_lag),
-                o.encoding.c_str(), o.lr);
+    std::printf(
+        "dte simulate: %s (%lld parameters), train %s (%lld writers) -> storage %s -> "
+        "infer %s (%lld ranks), %lld steps, anchor every %lld, reader lag %lld, %s encoding, "
+        "lr %g\n",
+        s.spec.name.c_str(), static_cast<long long>(s.hf.total()), o.train.c_str(),
+        static_cast<long long>(s.train.world()), o.dir.c_str(), o.infer.c_str(),
+        static_cast<long long>(s.infer.ranks()), static_cast<long long>(o.steps),
+        static_cast<long long>(o.anchor_every), static_cast<long long>(o.reader_lag),
+        o.encoding.c_str(), o.lr);
   }
   auto record = [&](const storage::PublishReport& rep) {
     ++publications;
@@ -253,24 +258,28 @@ int simulate_storage(const SimulateOptions& o) {
       j["bytes_per_changed_element"] = ratio(rep.bytes, rep.changed);
       j["seconds"] = rep.seconds;
       j["reader_version"] = live->version();
-      j["reader_bit_identical"] = bad < 0 && bad != -2 ? nlohmann::json(nullptr) : nlohmann::json(bad == 0);
+      j["reader_bit_identical"] =
+          bad < 0 && bad != -2 ? nlohmann::json(nullptr) : nlohmann::json(bad == 0);
       if (lagging) j["lagging_reader_version"] = lag_at;
       std::printf("%s\n", j.dump().c_str());
     } else {
-      std::printf("v%-4llu %-6s changed %7.3f%%  stored %10s (dense %10s, %6.3f B/changed)  "
-                  "%6.1f ms  reader v%llu %s%s\n",
-                  static_cast<unsigned long long>(rep.version), rep.anchor() ? "anchor" : "delta",
-                  100.0 * ratio(rep.changed, static_cast<std::uint64_t>(s.hf.total())),
-                  human_bytes(static_cast<double>(rep.bytes)).c_str(),
-                  human_bytes(static_cast<double>(rep.dense_bytes)).c_str(),
-                  ratio(rep.bytes, rep.changed), 1e3 * rep.seconds,
-                  static_cast<unsigned long long>(live->version()),
-                  bad == 0 ? "bit-identical" : bad == -1 ? "" : "DIFFERS",
-                  lagging && lag_at > 0
-                      ? (", lagging reader v" + std::to_string(lag_at) +
-                         (lag_bad == 0 ? " bit-identical" : lag_bad == -1 ? "" : " DIFFERS"))
-                            .c_str()
-                      : "");
+      std::printf(
+          "v%-4llu %-6s changed %7.3f%%  stored %10s (dense %10s, %6.3f B/changed)  "
+          "%6.1f ms  reader v%llu %s%s\n",
+          static_cast<unsigned long long>(rep.version), rep.anchor() ? "anchor" : "delta",
+          100.0 * ratio(rep.changed, static_cast<std::uint64_t>(s.hf.total())),
+          human_bytes(static_cast<double>(rep.bytes)).c_str(),
+          human_bytes(static_cast<double>(rep.dense_bytes)).c_str(), ratio(rep.bytes, rep.changed),
+          1e3 * rep.seconds, static_cast<unsigned long long>(live->version()),
+          bad == 0    ? "bit-identical"
+          : bad == -1 ? ""
+                      : "DIFFERS",
+          lagging && lag_at > 0 ? (", lagging reader v" + std::to_string(lag_at) +
+                                   (lag_bad == 0    ? " bit-identical"
+                                    : lag_bad == -1 ? ""
+                                                    : " DIFFERS"))
+                                      .c_str()
+                                : "");
     }
     std::fflush(stdout);
   };
@@ -306,18 +315,20 @@ int simulate_storage(const SimulateOptions& o) {
     j["dense_ratio"] = ratio(dense, delta_bytes);
     std::printf("%s\n", j.dump().c_str());
   } else {
-    std::printf("summary: %llu publications, deltas %s for %llu changed elements (%.3f bytes per "
-                "changed element, %.1fx smaller than dense)%s\n",
-                static_cast<unsigned long long>(publications),
-                human_bytes(static_cast<double>(delta_bytes)).c_str(),
-                static_cast<unsigned long long>(delta_changed), ratio(delta_bytes, delta_changed),
-                ratio(dense, delta_bytes),
-                lagging ? (final_lag == 0 ? "; the lagging reader caught up bit-identical"
-                                          : "; the lagging reader did NOT catch up")
-                        : "");
-    std::printf("%s: every reader %s%s\n", ok ? "VERIFIED" : "FAILED",
-                ok ? "applied only complete, verified versions" : "did NOT hold the trainer's policy",
-                check ? " and was bit-identical to a dense sync" : "");
+    std::printf(
+        "summary: %llu publications, deltas %s for %llu changed elements (%.3f bytes per "
+        "changed element, %.1fx smaller than dense)%s\n",
+        static_cast<unsigned long long>(publications),
+        human_bytes(static_cast<double>(delta_bytes)).c_str(),
+        static_cast<unsigned long long>(delta_changed), ratio(delta_bytes, delta_changed),
+        ratio(dense, delta_bytes),
+        lagging ? (final_lag == 0 ? "; the lagging reader caught up bit-identical"
+                                  : "; the lagging reader did NOT catch up")
+                : "");
+    std::printf(
+        "%s: every reader %s%s\n", ok ? "VERIFIED" : "FAILED",
+        ok ? "applied only complete, verified versions" : "did NOT hold the trainer's policy",
+        check ? " and was bit-identical to a dense sync" : "");
   }
   return ok ? exit_ok : exit_check_failed;
 }
@@ -325,8 +336,9 @@ int simulate_storage(const SimulateOptions& o) {
 #else
 
 int simulate_storage(const SimulateOptions&) {
-  throw unsupported("this dte was built without zstd and xxHash, which storage needs; run "
-                    "tools/install-deps.sh and rebuild");
+  throw unsupported(
+      "this dte was built without zstd and xxHash, which storage needs; run "
+      "tools/install-deps.sh and rebuild");
 }
 
 #endif
@@ -350,8 +362,9 @@ void register_storage(CLI::App& app, int& status) {
       status = is_verify ? verify(*root, *model, *as_json) : inspect(*root, *model, *as_json);
 #else
       (void)status;
-      throw unsupported("this dte was built without zstd and xxHash, which storage needs; run "
-                        "tools/install-deps.sh and rebuild");
+      throw unsupported(
+          "this dte was built without zstd and xxHash, which storage needs; run "
+          "tools/install-deps.sh and rebuild");
 #endif
     });
   }

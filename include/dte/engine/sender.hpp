@@ -213,7 +213,8 @@ class SenderRank {
   ScanResult scan_canonical(const Access& access, pipeline::ScanMode mode, Emit&& emit) {
     const auto t0 = std::chrono::steady_clock::now();
     ScanResult out;
-    if (mode != pipeline::ScanMode::mark) out.digest.assign(static_cast<std::size_t>(hf_->size()), 0);
+    if (mode != pipeline::ScanMode::mark)
+      out.digest.assign(static_cast<std::size_t>(hf_->size()), 0);
     std::vector<std::uint64_t> flagged;
     for (layout::BufferKind b : buffers) {
       if (mode != pipeline::ScanMode::all) bind(access, b);

@@ -138,8 +138,8 @@ inline bool write_file_exclusive(const std::filesystem::path& path,
   ::unlink(staged.c_str());
   if (linked != 0) {
     if (err == EEXIST) return false;
-    throw io_error("cannot write " + what + " '" + path.string() + "': link: " +
-                   detail::errno_text(err));
+    throw io_error("cannot write " + what + " '" + path.string() +
+                   "': link: " + detail::errno_text(err));
   }
   detail::fsync_directory(path.parent_path(), what + " '" + path.string() + "'");
   return true;

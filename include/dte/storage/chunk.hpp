@@ -415,8 +415,8 @@ inline Chunk decode_chunk(const layout::HfModel& hf, std::span<const std::byte> 
     }
     for (std::string_view other : parts) {
       if (file.find(name + std::string(other)) == nullptr) {
-        throw format_error(source + ": '" + info.name + "' without '" + name +
-                           std::string(other) + "'");
+        throw format_error(source + ": '" + info.name + "' without '" + name + std::string(other) +
+                           "'");
       }
     }
   }
@@ -428,8 +428,9 @@ inline Chunk decode_chunk(const layout::HfModel& hf, std::span<const std::byte> 
     const std::string where = source + ": " + name;
     if (info.dtype != io::DType::U8 || info.shape.size() != 1 || hi.dtype != io::DType::U8 ||
         hi.shape.size() != 1 || lo.dtype != io::DType::U8 || lo.shape != hi.shape) {
-      throw format_error(where + ": ':index', ':value_hi' and ':value_lo' must be U8 [k], U8 [n] "
-                                 "and U8 [n]");
+      throw format_error(where +
+                         ": ':index', ':value_hi' and ':value_lo' must be U8 [k], U8 [n] "
+                         "and U8 [n]");
     }
     const std::int64_t id = ids.find(name)->second;
     const std::uint64_t n = hi.shape[0];

@@ -41,7 +41,7 @@ struct VersionInfo {
 
 struct RootInfo {
   std::optional<Version> latest;
-  std::string latest_problem;  // LATEST unreadable
+  std::string latest_problem;         // LATEST unreadable
   std::vector<VersionInfo> versions;  // ascending
   std::vector<Version> chain;         // from LATEST down to its anchor (empty: none)
   std::string chain_problem;          // why the chain stops short of an anchor
@@ -63,7 +63,8 @@ inline std::optional<Version> parse_version_dir(const std::string& name) {
 inline std::uint64_t stated_content_size(const std::filesystem::path& p) {
   io::detail::FdGuard fd(::open(p.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
   if (fd.get() < 0) return 0;
-  const auto head = io::detail::read_up_to(fd.get(), 18, "chunk", p.string());  // a frame header is at most 18 bytes
+  const auto head = io::detail::read_up_to(fd.get(), 18, "chunk",
+                                           p.string());  // a frame header is at most 18 bytes
   const unsigned long long n = ZSTD_getFrameContentSize(head.data(), head.size());
   return n == ZSTD_CONTENTSIZE_ERROR || n == ZSTD_CONTENTSIZE_UNKNOWN ? 0 : n;
 }
@@ -101,7 +102,8 @@ inline RootInfo inspect_root(const layout::HfModel& hf, const std::filesystem::p
       }
       if (m.anchor()) {
         listed.emplace_back("model.safetensors.index.json");
-        if (fs::exists(e.path() / listed.back())) vi.bytes += fs::file_size(e.path() / listed.back());
+        if (fs::exists(e.path() / listed.back()))
+          vi.bytes += fs::file_size(e.path() / listed.back());
       }
       for (const fs::directory_entry& f : fs::directory_iterator(e.path())) {
         const std::string name = f.path().filename().string();
@@ -118,16 +120,17 @@ inline RootInfo inspect_root(const layout::HfModel& hf, const std::filesystem::p
             [](const VersionInfo& a, const VersionInfo& b) { return a.version < b.version; });
   if (info.latest) {
     const auto find = [&](Version v) -> const VersionInfo* {
-      const auto it = std::lower_bound(
-          info.versions.begin(), info.versions.end(), v,
-          [](const VersionInfo& a, Version x) { return a.version < x; });
+      const auto it =
+          std::lower_bound(info.versions.begin(), info.versions.end(), v,
+                           [](const VersionInfo& a, Version x) { return a.version < x; });
       return it != info.versions.end() && it->version == v ? &*it : nullptr;
     };
     for (Version at = *info.latest;;) {
       const VersionInfo* vi = find(at);
       if (vi == nullptr || !vi->complete) {
-        info.chain_problem = "version " + std::to_string(at) +
-                             (vi == nullptr ? " is not on storage" : " is incomplete: " + vi->problem);
+        info.chain_problem =
+            "version " + std::to_string(at) +
+            (vi == nullptr ? " is not on storage" : " is incomplete: " + vi->problem);
         break;
       }
       info.chain.push_back(at);

@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // storage::Publisher: one per trainer rank, publishing versions to shared storage instead of to
-// receivers over a communicator (docs/storage.md). The pipeline is the engine's (engine/sender.hpp):
-// detect and compact are the same stages; instead of route and encode, every element to send
-// goes out in canonical coordinates (HF tensor, index in the unsharded tensor, BF16 bits) into
-// chunks of bounded size, each written atomically as it fills.
+// receivers over a communicator (docs/storage.md). The pipeline is the engine's
+// (engine/sender.hpp): detect and compact are the same stages; instead of route and encode, every
+// element to send goes out in canonical coordinates (HF tensor, index in the unsharded tensor, BF16
+// bits) into chunks of bounded size, each written atomically as it fills.
 //
 // One publication, top to bottom (every writer rank calls the same method):
 //   1. rank 0 reads LATEST; the world agrees on the version V = LATEST + 1, and on whether V is
@@ -61,7 +61,7 @@ struct PublisherConfig {
   std::int64_t anchor_every = 0;   // an anchor every N versions (0: only when needed)
   std::int64_t publish_every = 1;  // K: step() publishes every K optimizer steps
   int zstd_level = 3;              // 1 .. 19
-  std::uint64_t chunk_entries = std::uint64_t{1} << 24;  // changed elements per chunk at most
+  std::uint64_t chunk_entries = std::uint64_t{1} << 24;      // changed elements per chunk at most
   std::uint64_t anchor_file_bytes = std::uint64_t{2} << 30;  // an anchor's shard files
   // value: deltas carry the new bits; xor_base: new XOR previous where the reconstruction
   // knows the previous bits for certain (publish_every must be 1: the base is the last step)
@@ -73,11 +73,11 @@ struct PublisherConfig {
 // What one publication wrote; the same on every writer rank.
 struct PublishReport {
   Version version = 0;
-  Version base = no_version;  // no_version: an anchor
-  std::uint64_t changed = 0;  // elements written (an anchor: all of them)
-  std::uint64_t scanned = 0;  // elements looked at
-  std::uint64_t files = 0;    // chunk or shard files, the manifest not counted
-  std::uint64_t bytes = 0;    // every byte of the version on storage, the manifest included
+  Version base = no_version;      // no_version: an anchor
+  std::uint64_t changed = 0;      // elements written (an anchor: all of them)
+  std::uint64_t scanned = 0;      // elements looked at
+  std::uint64_t files = 0;        // chunk or shard files, the manifest not counted
+  std::uint64_t bytes = 0;        // every byte of the version on storage, the manifest included
   std::uint64_t dense_bytes = 0;  // the model as dense BF16
   Digest digest = 0;              // the full-state digest, summed over tensors
   double seconds = 0;
@@ -296,8 +296,7 @@ inline std::vector<ChunkEntry> write_anchor_shards(const layout::HfModel& hf,
   return out;
 }
 
-template <optimizer_inverse Inverse, change_detector Detect, layout_mapping Layout,
-          transport World>
+template <optimizer_inverse Inverse, change_detector Detect, layout_mapping Layout, transport World>
 requires transfer_plan<typename Layout::plan_type>
 class Publisher {
  public:
@@ -313,11 +312,10 @@ class Publisher {
         world_(&world),
         sender_(hf, train, canonical_, world.rank(), cfg.publish_every > 1, exec) {
     if (world.senders() != train.world() || world.receivers() != 0) {
-      throw invalid_argument("storage::Publisher: the world has " +
-                             std::to_string(world.senders()) + " writers and " +
-                             std::to_string(world.receivers()) + " receivers; it needs the " +
-                             std::to_string(train.world()) +
-                             " trainer ranks as writers and no receivers");
+      throw invalid_argument(
+          "storage::Publisher: the world has " + std::to_string(world.senders()) + " writers and " +
+          std::to_string(world.receivers()) + " receivers; it needs the " +
+          std::to_string(train.world()) + " trainer ranks as writers and no receivers");
     }
     // (rank 0 alone: a constructor does not wait for the other ranks, which may be built one
     // after the other on one thread; they fail at the first publication if rank 0 is missing)
@@ -499,7 +497,7 @@ class Publisher {
                         (cfg_.anchor_every > 0 && v % static_cast<Version>(cfg_.anchor_every) == 0);
     const Version base = anchor ? no_version : version_;
     const std::filesystem::path dir = version_dir(root_, v);
-    const pipeline::ScanMode mode = anchor   ? pipeline::ScanMode::all
+    const pipeline::ScanMode mode = anchor    ? pipeline::ScanMode::all
                                     : marked_ ? pipeline::ScanMode::mask
                                               : pipeline::ScanMode::detect;
     // 2. The staged pass, chunks written as they fill.
@@ -531,7 +529,8 @@ class Publisher {
       marked_ = false;
     }
     // 3. Counts, digest, and every chunk's size and checksum, to every rank.
-    std::vector<std::uint64_t> sums(3 + writers + tensors, 0);  // changed, scanned, -, chunks, digest
+    std::vector<std::uint64_t> sums(3 + writers + tensors,
+                                    0);  // changed, scanned, -, chunks, digest
     sums[0] = scan.changed;
     sums[1] = scan.scanned;
     sums[3 + rank] = mine.size();

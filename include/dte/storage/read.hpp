@@ -96,9 +96,9 @@ inline Manifest read_manifest(const layout::HfModel& hf, const std::filesystem::
   if (fd.get() < 0) {
     const int err = errno;
     throw io_error("cannot open manifest '" + name + "': " + io::detail::errno_text(err) +
-                   (err == ENOENT ? " (version " + std::to_string(v) +
-                                        " is not published, or not complete)"
-                                  : std::string{}));
+                   (err == ENOENT
+                        ? " (version " + std::to_string(v) + " is not published, or not complete)"
+                        : std::string{}));
   }
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) {
@@ -107,8 +107,8 @@ inline Manifest read_manifest(const layout::HfModel& hf, const std::filesystem::
   const std::vector<std::byte> bytes =
       io::detail::read_up_to(fd.get(), max_manifest_bytes + 1, "manifest", name);
   if (bytes.size() > max_manifest_bytes) {
-    throw bounds_error(name + ": over the manifest limit of " +
-                       std::to_string(max_manifest_bytes) + " bytes; refused unread");
+    throw bounds_error(name + ": over the manifest limit of " + std::to_string(max_manifest_bytes) +
+                       " bytes; refused unread");
   }
   Manifest m = parse_manifest(
       std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()), name, hf);

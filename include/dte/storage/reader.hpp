@@ -57,7 +57,7 @@ struct ReadReport {
   Version from = no_version;  // held before (no_version: nothing)
   Version to = no_version;    // held after
   std::vector<Version> applied;
-  bool reseeded = false;       // started from an anchor on fresh receivers
+  bool reseeded = false;         // started from an anchor on fresh receivers
   std::uint64_t bytes_read = 0;  // files read (manifests not counted)
   std::string error;             // empty: no error
   [[nodiscard]] bool ok() const noexcept { return error.empty(); }
@@ -93,11 +93,11 @@ std::uint64_t read_anchor(const layout::HfModel& hf, const std::filesystem::path
       seen[static_cast<std::size_t>(t)] = true;
       const auto shape = hf.shape(t);
       if (info.dtype != io::DType::BF16 ||
-          !std::equal(info.shape.begin(), info.shape.end(), shape.begin(), shape.end(),
-                      [](std::uint64_t a, std::int64_t b) {
-                        return a == static_cast<std::uint64_t>(b);
-                      })) {
-        throw format_error(source + ": tensor '" + info.name + "' is not BF16 of the model's shape");
+          !std::equal(
+              info.shape.begin(), info.shape.end(), shape.begin(), shape.end(),
+              [](std::uint64_t a, std::int64_t b) { return a == static_cast<std::uint64_t>(b); })) {
+        throw format_error(source + ": tensor '" + info.name +
+                           "' is not BF16 of the model's shape");
       }
       emit(t, file.read_as<std::uint16_t>(info.name, io::DType::BF16));
     }
@@ -212,8 +212,8 @@ class Reader {
     receivers_.clear();
     const std::int64_t tp = layout_->topology().tp;
     for (std::size_t k = 0; k < tensors_.size(); ++k) {
-      const std::int64_t rank = replicas_[k / static_cast<std::size_t>(tp)] * tp +
-                                static_cast<std::int64_t>(k) % tp;
+      const std::int64_t rank =
+          replicas_[k / static_cast<std::size_t>(tp)] * tp + static_cast<std::int64_t>(k) % tp;
       receivers_.push_back(std::make_unique<Receiver>(*hf_, *layout_, rank, 1, tensors_[k]));
     }
     dirty_ = false;
@@ -257,8 +257,8 @@ class Reader {
           for (std::size_t k = 0; k < d.index.size(); ++k) {
             // XOR: decoded against the value held (the chain holds exactly the base), into the
             // staged messages; nothing is written until every chunk is decoded.
-            const std::uint16_t bits = xor_base ? held_bits(d.tensor, d.index[k]) ^ d.bits[k]
-                                                : d.bits[k];
+            const std::uint16_t bits =
+                xor_base ? held_bits(d.tensor, d.index[k]) ^ d.bits[k] : d.bits[k];
             put(d.tensor, d.index[k], static_cast<std::uint16_t>(bits));
           }
         }
@@ -283,10 +283,10 @@ class Reader {
       const ApplyResult r = receivers_[k]->apply(m.version, inbox);
       if (r.outcome == ApplyOutcome::refused) {
         if (committed_any) dirty_ = true;
-        throw protocol_error("receiver rank " + std::to_string(receivers_[k]->rank()) +
-                             " refused version " + std::to_string(m.version) + ": " + r.refusal +
-                             (dirty_ ? " (after others committed: reseeding at the next poll)"
-                                     : ""));
+        throw protocol_error(
+            "receiver rank " + std::to_string(receivers_[k]->rank()) + " refused version " +
+            std::to_string(m.version) + ": " + r.refusal +
+            (dirty_ ? " (after others committed: reseeding at the next poll)" : ""));
       }
       committed_any = committed_any || r.outcome == ApplyOutcome::committed;
     }
@@ -300,8 +300,8 @@ class Reader {
     layout_->targets(layout::Canonical{tensor, index}, [&](const layout::ReceiverElement& e) {
       if (!first) return;
       first = false;
-      bits = receivers_[static_cast<std::size_t>(e.ts)]->tensor(e.tensor)[static_cast<std::size_t>(
-          e.index)];
+      bits = receivers_[static_cast<std::size_t>(e.ts)]->tensor(
+          e.tensor)[static_cast<std::size_t>(e.index)];
     });
     return bits;
   }

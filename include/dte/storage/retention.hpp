@@ -31,8 +31,7 @@ namespace dte::storage {
 inline constexpr std::string_view readers_dir_name = "readers";
 
 // Records that reader `name` (a plain file name) holds version v.
-inline void register_reader(const std::filesystem::path& root, const std::string& name,
-                            Version v) {
+inline void register_reader(const std::filesystem::path& root, const std::string& name, Version v) {
   if (!plain_file_name(name)) {
     throw invalid_argument("storage reader name \"" + name +
                            "\" is not a plain file name (letters, digits, '.', '_', '-')");
@@ -75,9 +74,9 @@ inline std::map<std::string, Version> registered_readers(const std::filesystem::
 }
 
 struct CollectReport {
-  Version keep_from = 0;               // every complete version below it was removed (0: none)
+  Version keep_from = 0;  // every complete version below it was removed (0: none)
   std::vector<Version> removed;
-  std::vector<Version> incomplete;     // directories without a manifest, left in place
+  std::vector<Version> incomplete;       // directories without a manifest, left in place
   std::vector<std::string> temporaries;  // removed from complete versions
 };
 
@@ -112,7 +111,8 @@ inline CollectReport collect(const layout::HfModel& hf, const std::filesystem::p
       }
     }
   }
-  if (!rep.removed.empty()) io::detail::fsync_directory(root, "storage root '" + root.string() + "'");
+  if (!rep.removed.empty())
+    io::detail::fsync_directory(root, "storage root '" + root.string() + "'");
   return rep;
 }
 

@@ -37,7 +37,7 @@ struct VerifyReport {
   std::uint64_t versions = 0;  // complete versions checked
   std::uint64_t files = 0;     // files read and checked
   std::uint64_t bytes = 0;
-  std::uint64_t digests = 0;   // versions whose state digest was checked
+  std::uint64_t digests = 0;  // versions whose state digest was checked
   std::vector<Problem> problems;
   [[nodiscard]] bool ok() const noexcept { return problems.empty(); }
 };
@@ -60,8 +60,8 @@ inline void check_hf_index(const layout::HfModel& hf, const std::filesystem::pat
   }
   const auto& map = j["weight_map"];
   if (map.size() != static_cast<std::size_t>(hf.size())) {
-    throw format_error(p.string() + ": lists " + std::to_string(map.size()) + " tensors, the model has " +
-                       std::to_string(hf.size()));
+    throw format_error(p.string() + ": lists " + std::to_string(map.size()) +
+                       " tensors, the model has " + std::to_string(hf.size()));
   }
   for (std::int64_t t = 0; t < hf.size(); ++t) {
     const auto it = map.find(hf.name(t));
@@ -148,10 +148,9 @@ inline VerifyReport verify_root(const layout::HfModel& hf, const std::filesystem
           files_ok = false;
         }
       }
-      const bool base_there = std::any_of(info.versions.begin(), info.versions.end(),
-                                          [&](const VersionInfo& o) {
-                                            return o.version == m.base && o.complete;
-                                          });
+      const bool base_there =
+          std::any_of(info.versions.begin(), info.versions.end(),
+                      [&](const VersionInfo& o) { return o.version == m.base && o.complete; });
       if (!base_there) {
         problem(manifest_path, "its base, version " + std::to_string(m.base) +
                                    ", is not on storage: the chain is broken");

@@ -104,7 +104,8 @@ class BasicMpiTwoRound {
     DTE_MPI_TRY(MPI_Comm_rank(comm, &rank_));
     int size = 0;
     DTE_MPI_TRY(MPI_Comm_size(comm, &size));
-    if (senders < 1 || receivers < 1 || senders + receivers > size) {
+    // (no receivers: the writers of a storage publication, which only sum)
+    if (senders < 1 || receivers < 0 || senders + receivers > size) {
       throw invalid_argument(
           "MpiTwoRound: " + std::to_string(senders) + " senders + " + std::to_string(receivers) +
           " receivers do not fit a communicator of " + std::to_string(size) + " processes");
