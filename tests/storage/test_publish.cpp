@@ -458,3 +458,31 @@ TEST_CASE("retention: only what no registered reader can need goes; M10 incomple
   std::ofstream(s.dir.path / "readers" / "broken") << "v12";
   CHECK_THROWS_AS((void)storage::collect(s.hf, s.dir.path), format_error);
 }
+
+TEST_CASE("inspect: kinds, sizes, the chain, and every frame's content counted") {
+  Setup s({.anchor_every = 3});
+  s.writers.publish(s.access);
+  for (int i = 0; i < 3; ++i) {
+    s.trainer.step();
+    s.writers.step(s.access);
+  }
+  const storage::RootInfo info = storage::inspect_root(s.hf, s.dir.path);
+  CHECK(info.latest == Version{4});
+  CHECK(info.chain == std::vector<Version>{4, 3});
+  REQUIRE(info.versions.size() == 2);  // retention removed 1 and 2 (below anchor 3)
+  const storage::VersionInfo& delta = info.versions[1];
+  CHECK_FALSE(delta.anchor());
+  CHECK(delta.files == 4);  // four writers (tp=2, dp=2), one value chunk each
+  std::uint64_t listed = fs::file_size(storage::version_dir(s.dir.path, 4) / "manifest.json");
+  for (const auto& e : storage::read_manifest(s.hf, s.dir.path, 4).chunks)
+    listed += e.bytes;
+  CHECK(delta.bytes == listed);
+  // The decompressed size sums all four frames of every chunk: the plain files' sizes.
+  std::uint64_t plain = 0;
+  for (const auto& e : storage::read_manifest(s.hf, s.dir.path, 4).chunks)
+    plain += storage::decompress_frames(
+                 storage::read_chunk_bytes(storage::version_dir(s.dir.path, 4), e), "c")
+                 .size();
+  CHECK(delta.content_bytes == plain);
+  CHECK(delta.content_bytes > delta.bytes - 2000);
+}

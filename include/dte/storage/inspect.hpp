@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // What a storage root holds (`dte inspect`): every version directory, complete (a manifest that
 // parses) or not, its kind, base, files, bytes on storage (manifest included), changed elements
-// and compression; LATEST and the chain from it down to its anchor. Reads manifests and the
-// first bytes of each chunk (the zstd frame header states its decompressed size), nothing more:
+// and compression; LATEST and the chain from it down to its anchor. Reads manifests and each
+// chunk's zstd frame headers (they state the decompressed sizes), nothing more:
 // checksums and digests are `dte verify`'s (storage/verify.hpp).
 #pragma once
 
@@ -59,14 +59,23 @@ inline std::optional<Version> parse_version_dir(const std::string& name) {
   return v;
 }
 
-// The decompressed size a chunk's zstd frame states (0 when it cannot be read).
-inline std::uint64_t stated_content_size(const std::filesystem::path& p) {
+// The decompressed size a chunk's zstd frames state, summed (0 when it cannot be read).
+inline std::uint64_t stated_content_size(const std::filesystem::path& p, std::uint64_t bytes) {
   io::detail::FdGuard fd(::open(p.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
   if (fd.get() < 0) return 0;
-  const auto head = io::detail::read_up_to(fd.get(), 18, "chunk",
-                                           p.string());  // a frame header is at most 18 bytes
-  const unsigned long long n = ZSTD_getFrameContentSize(head.data(), head.size());
-  return n == ZSTD_CONTENTSIZE_ERROR || n == ZSTD_CONTENTSIZE_UNKNOWN ? 0 : n;
+  const auto data =
+      io::detail::read_up_to(fd.get(), static_cast<std::size_t>(bytes), "chunk", p.string());
+  std::uint64_t total = 0;
+  for (std::size_t at = 0; at < data.size();) {
+    const unsigned long long n = ZSTD_getFrameContentSize(data.data() + at, data.size() - at);
+    const std::size_t span = ZSTD_findFrameCompressedSize(data.data() + at, data.size() - at);
+    if (n == ZSTD_CONTENTSIZE_ERROR || n == ZSTD_CONTENTSIZE_UNKNOWN || ZSTD_isError(span)) {
+      return 0;
+    }
+    total += n;
+    at += span;
+  }
+  return total;
 }
 
 inline RootInfo inspect_root(const layout::HfModel& hf, const std::filesystem::path& root) {
@@ -97,7 +106,7 @@ inline RootInfo inspect_root(const layout::HfModel& hf, const std::filesystem::p
       std::vector<std::string> listed{std::string(manifest_name)};
       for (const ChunkEntry& c : m.chunks) {
         vi.bytes += c.bytes;
-        vi.content_bytes += m.anchor() ? c.bytes : stated_content_size(e.path() / c.file);
+        vi.content_bytes += m.anchor() ? c.bytes : stated_content_size(e.path() / c.file, c.bytes);
         listed.push_back(c.file);
       }
       if (m.anchor()) {
