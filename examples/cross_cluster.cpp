@@ -42,15 +42,20 @@ int main(int argc, char** argv) {
       model, train, root, {.anchor_every = 5}, writers.endpoint(0));
 
   // ---- The inference cluster: the engine's tensors (here plain vectors), one view each.
-  std::vector<std::vector<std::vector<std::uint16_t>>> tensors(2);  // [tp rank][tensor]
-  std::vector<ReceiverTensors> views(2);
-  for (std::size_t ts = 0; ts < 2; ++ts) {
-    for (std::int64_t k = 0; k < infer.size(); ++k)
-      tensors[ts].emplace_back(static_cast<std::size_t>(infer[k].numel));
-    for (auto& t : tensors[ts])
-      views[ts].emplace_back(t);
-  }
-  storage::Reader reader(model, infer, root, {0}, views, {.name = "replica-0"});
+  using Tensors = std::vector<std::vector<std::vector<std::uint16_t>>>;  // [tp rank][tensor]
+  const auto allocate = [&](Tensors& tensors) {
+    tensors.resize(2);
+    std::vector<ReceiverTensors> views(2);
+    for (std::size_t ts = 0; ts < 2; ++ts) {
+      for (std::int64_t k = 0; k < infer.size(); ++k)
+        tensors[ts].emplace_back(static_cast<std::size_t>(infer[k].numel));
+      for (auto& t : tensors[ts])
+        views[ts].emplace_back(t);
+    }
+    return views;
+  };
+  Tensors tensors;
+  storage::Reader reader(model, infer, root, {0}, allocate(tensors), {.name = "replica-0"});
 
   publisher.publish(access);  // version 1: an anchor (the first publication always is)
   for (int step = 1; step <= 12; ++step) {
@@ -74,15 +79,8 @@ int main(int argc, char** argv) {
       sim::dense_mismatches(model, infer, trainer.canonical_weights(), reader.receivers());
 
   // A reader that starts now replays from the newest anchor (version 10) to LATEST.
-  std::vector<std::vector<std::vector<std::uint16_t>>> late_tensors(2);
-  std::vector<ReceiverTensors> late_views(2);
-  for (std::size_t ts = 0; ts < 2; ++ts) {
-    for (std::int64_t k = 0; k < infer.size(); ++k)
-      late_tensors[ts].emplace_back(static_cast<std::size_t>(infer[k].numel));
-    for (auto& t : late_tensors[ts])
-      late_views[ts].emplace_back(t);
-  }
-  storage::Reader late(model, infer, root, {0}, late_views);
+  Tensors late_tensors;
+  storage::Reader late(model, infer, root, {0}, allocate(late_tensors));
   const storage::ReadReport rep = late.poll();
   const auto late_differ =
       sim::dense_mismatches(model, infer, trainer.canonical_weights(), late.receivers());

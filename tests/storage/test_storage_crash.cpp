@@ -22,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "dte/io/file.hpp"
 #include "dte/layout/model.hpp"
 #include "dte/layout/topology.hpp"
 #include "dte/sim/access.hpp"
@@ -73,8 +74,7 @@ bool interrupted(const fs::path& root, Version latest) {
   if (!fs::exists(root)) return false;  // killed before it made the root
   for (const auto& e : fs::recursive_directory_iterator(root)) {
     const std::string name = e.path().filename().string();
-    if (name.find(".tmp-") != std::string::npos || name.find(".new-") != std::string::npos)
-      return true;
+    if (io::temporary_suffix(name) != std::string::npos) return true;
     if (const auto v = storage::parse_version_dir(name); v && *v > latest) return true;
   }
   return false;

@@ -25,21 +25,27 @@ struct BasicDetect {
   DTE_HOST_DEVICE static std::uint16_t store(float x) noexcept { return F::round(x); }
 
   DTE_HOST_DEVICE static Verdict classify(float current, const Reconstruction& prev) noexcept {
-    if (F::round(current) != F::round(prev.value)) return Verdict::changed;
-    return certain(prev) ? Verdict::unchanged : Verdict::guard;
+    const std::uint16_t before = F::round(prev.value);
+    if (F::round(current) != before) return Verdict::changed;
+    return certain(prev, before) ? Verdict::unchanged : Verdict::guard;
   }
 
   // Whether store(prev.value) is certainly the previous stored value: the reconstruction is
   // exact, or its error interval lies inside one rounding interval. (An XOR against the
   // previous value needs exactly this: storage/publisher.hpp.)
   DTE_HOST_DEVICE static bool certain(const Reconstruction& prev) noexcept {
+    return certain(prev, F::round(prev.value));
+  }
+
+  // (before: F::round(prev.value), when the caller has it)
+  DTE_HOST_DEVICE static bool certain(const Reconstruction& prev, std::uint16_t before) noexcept {
     if (prev.error == 0.0f) return true;  // bit-exact previous value
     // Not finite: no interval to reason about.
     if (!((float_bits(prev.value) & 0x7FFFFFFFu) < 0x7F800000u) ||
         !((float_bits(prev.error) & 0x7FFFFFFFu) < 0x7F800000u)) {
       return false;
     }
-    const RoundingInterval iv = F::interval(F::round(prev.value));
+    const RoundingInterval iv = F::interval(before);
     // value and the interval ends lie in one rounding interval, so these differences are exact
     // (Sterbenz, or both subnormal). Strict: a value exactly error away may sit on the edge.
     const bool lower_ok =

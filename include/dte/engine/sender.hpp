@@ -505,8 +505,10 @@ class SenderRank {
     }
   }
 
-  // A full publication: tile t's pieces of every run, as dense runs to every copy.
-  void emit_tile_runs(layout::BufferKind b, std::size_t t, const Tile& s) {
+  // A full publication: f(run, offset of the piece in the run, its bits) for tile t's piece of
+  // every run this rank sends (s.bits holds every value of the tile).
+  template <class F>
+  void for_each_sent_piece(layout::BufferKind b, std::size_t t, const Tile& s, F&& f) const {
     const auto runs = table_.runs(b);
     const std::int64_t begin = static_cast<std::int64_t>(t) * tile;
     const std::int64_t end = std::min(plan_.shard_size(b), begin + tile);
@@ -516,33 +518,36 @@ class SenderRank {
       if (!run.sender || run.tensor < 0) continue;
       const std::int64_t lo = std::max(begin, run.shard_begin);
       const std::int64_t hi = std::min(end, run.shard_begin + run.length);
-      const auto delta = static_cast<std::uint32_t>(lo - run.shard_begin);
-      const std::span<const std::uint16_t> bits(s.bits.data() + (lo - begin),
-                                                static_cast<std::size_t>(hi - lo));
-      for (const pipeline::RunTarget& target : table_.targets(run)) {
-        outbox_[target.rank].add_run(target.tensor, target.index + delta, bits);
-      }
+      f(run, lo - run.shard_begin,
+        std::span<const std::uint16_t>(s.bits.data() + (lo - begin),
+                                       static_cast<std::size_t>(hi - lo)));
     }
   }
 
-  // A full publication to storage: tile t's pieces of every run this rank sends, canonically.
+  // ... as dense runs to every copy.
+  void emit_tile_runs(layout::BufferKind b, std::size_t t, const Tile& s) {
+    for_each_sent_piece(
+        b, t, s,
+        [&](const pipeline::Run& run, std::int64_t at, std::span<const std::uint16_t> bits) {
+          for (const pipeline::RunTarget& target : table_.targets(run)) {
+            outbox_[target.rank].add_run(target.tensor,
+                                         target.index + static_cast<std::uint32_t>(at), bits);
+          }
+        });
+  }
+
+  // ... to storage, canonically.
   template <class Emit>
   void all_canonical_tile(layout::BufferKind b, std::size_t t, const Tile& s, Emit& emit) const {
-    const auto runs = table_.runs(b);
-    const std::int64_t begin = static_cast<std::int64_t>(t) * tile;
-    const std::int64_t end = std::min(plan_.shard_size(b), begin + tile);
-    for (std::uint32_t r = tile_run_[idx(b)][t]; r < runs.size(); ++r) {
-      const pipeline::Run& run = runs[r];
-      if (run.shard_begin >= end) break;
-      if (!run.sender || run.tensor < 0) continue;
-      const std::int64_t lo = std::max(begin, run.shard_begin);
-      const std::int64_t hi = std::min(end, run.shard_begin + run.length);
-      const std::int64_t first = run.canonical - (*hf_)[run.tensor].base + (lo - run.shard_begin);
-      for (std::int64_t o = lo; o < hi; ++o) {
-        emit(static_cast<std::uint32_t>(run.tensor), static_cast<std::uint32_t>(first + (o - lo)),
-             s.bits[static_cast<std::size_t>(o - begin)]);
-      }
-    }
+    for_each_sent_piece(
+        b, t, s,
+        [&](const pipeline::Run& run, std::int64_t at, std::span<const std::uint16_t> bits) {
+          const std::int64_t first = run.canonical - (*hf_)[run.tensor].base + at;
+          for (std::size_t j = 0; j < bits.size(); ++j) {
+            emit(static_cast<std::uint32_t>(run.tensor),
+                 static_cast<std::uint32_t>(first + static_cast<std::int64_t>(j)), bits[j]);
+          }
+        });
   }
 
   // The dense part of a delta: every element of each dense (receiver, tensor) pair.

@@ -9,12 +9,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstddef>
 #include <cstring>
 #include <filesystem>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -123,6 +125,12 @@ inline void write_file_atomic(const std::filesystem::path& path, std::span<const
   }
   if (::rename(tmp.c_str(), target.c_str()) != 0) fail("rename");
   detail::fsync_directory(path.parent_path(), what + " '" + target + "'");
+}
+
+// Where the temporary suffix of a name write_file_atomic or write_file_exclusive makes begins
+// ("<name>.tmp-<pid>", "<name>.new-<pid>"), or npos for a finished file.
+inline std::size_t temporary_suffix(std::string_view name) noexcept {
+  return std::min(name.find(".tmp-"), name.find(".new-"));
 }
 
 // Writes `bytes` to `path` only if no file of that name exists, atomically: written to a

@@ -9,7 +9,6 @@
 #include <cstdint>
 #include <exception>
 #include <memory>
-#include <thread>
 #include <vector>
 
 #include "dte/engine/engine.hpp"
@@ -17,6 +16,7 @@
 #include "dte/layout/hf.hpp"
 #include "dte/layout/sglang.hpp"
 #include "dte/layout/topology.hpp"
+#include "dte/sim/threads.hpp"
 #include "dte/transport/loopback.hpp"
 
 namespace dte::sim {
@@ -82,19 +82,8 @@ class LoopbackCluster {
   // trainer rank that refused the publication (it says why) or else the lowest rank's.
   template <class F>
   void each(F&& f) {
-    std::vector<std::exception_ptr> errors(engines_.size());
-    {
-      std::vector<std::jthread> threads;
-      for (std::size_t r = 0; r < engines_.size(); ++r) {
-        threads.emplace_back([&, r] {
-          try {
-            f(*engines_[r], r);
-          } catch (...) {
-            errors[r] = std::current_exception();
-          }
-        });
-      }
-    }
+    const std::vector<std::exception_ptr> errors =
+        detail::on_threads(engines_.size(), [&](std::size_t r) { f(*engines_[r], r); });
     const std::int64_t refuser = engines_[0]->refused_by();
     if (refuser >= 0 && errors[static_cast<std::size_t>(refuser)]) {
       std::rethrow_exception(errors[static_cast<std::size_t>(refuser)]);

@@ -12,7 +12,6 @@
 #include <filesystem>
 #include <memory>
 #include <optional>
-#include <thread>
 #include <vector>
 
 #include "dte/detect/detect.hpp"
@@ -22,6 +21,7 @@
 #include "dte/layout/sglang.hpp"
 #include "dte/layout/topology.hpp"
 #include "dte/optim/adam.hpp"
+#include "dte/sim/threads.hpp"
 #include "dte/storage/publisher.hpp"
 #include "dte/storage/reader.hpp"
 #include "dte/transport/loopback.hpp"
@@ -69,19 +69,8 @@ class StorageCluster {
  private:
   template <class F>
   void each(F&& f) {
-    std::vector<std::exception_ptr> errors(publishers_.size());
-    {
-      std::vector<std::jthread> threads;
-      for (std::size_t r = 0; r < publishers_.size(); ++r) {
-        threads.emplace_back([&, r] {
-          try {
-            f(*publishers_[r], r);
-          } catch (...) {
-            errors[r] = std::current_exception();
-          }
-        });
-      }
-    }
+    const std::vector<std::exception_ptr> errors =
+        detail::on_threads(publishers_.size(), [&](std::size_t r) { f(*publishers_[r], r); });
     for (const auto& e : errors) {
       if (e) std::rethrow_exception(e);
     }

@@ -218,14 +218,19 @@ inline void compress_frame(ZSTD_CCtx* cctx, std::span<const std::byte> plain,
 
 }  // namespace detail
 
-// The zstd frames of `bytes`, decompressed and concatenated; refused (format_error, or
-// bounds_error over `max_bytes`) before anything is allocated unless every frame states its
-// size and they fit.
-inline std::vector<std::byte> decompress_frames(std::span<const std::byte> bytes,
-                                                const std::string& source,
-                                                std::uint64_t max_bytes = max_decoded_bytes) {
+// The zstd frames of `bytes`: where each starts and its compressed size, and their
+// decompressed size summed, read from the frame headers alone; refused (format_error, or
+// bounds_error past `max_bytes`) unless there are at most max_frames and each states its size.
+struct FrameTable {
   std::vector<std::pair<std::size_t, std::size_t>> frames;  // (offset, compressed size)
   std::uint64_t total = 0;
+};
+
+inline FrameTable frame_table(std::span<const std::byte> bytes, const std::string& source,
+                              std::uint64_t max_bytes = max_decoded_bytes) {
+  FrameTable table;
+  auto& frames = table.frames;
+  std::uint64_t& total = table.total;
   for (std::size_t at = 0; at < bytes.size();) {
     if (frames.size() == max_frames) {
       throw format_error(source + ": more than " + std::to_string(max_frames) +
@@ -257,9 +262,18 @@ inline std::vector<std::byte> decompress_frames(std::span<const std::byte> bytes
     at += span;
   }
   if (frames.empty()) throw format_error(source + ": empty; not a zstd frame");
-  std::vector<std::byte> plain(static_cast<std::size_t>(total));
+  return table;
+}
+
+// The zstd frames of `bytes`, decompressed and concatenated; refused as frame_table refuses,
+// before anything is allocated.
+inline std::vector<std::byte> decompress_frames(std::span<const std::byte> bytes,
+                                                const std::string& source,
+                                                std::uint64_t max_bytes = max_decoded_bytes) {
+  const FrameTable table = frame_table(bytes, source, max_bytes);
+  std::vector<std::byte> plain(static_cast<std::size_t>(table.total));
   std::size_t out = 0;
-  for (const auto& [at, span] : frames) {
+  for (const auto& [at, span] : table.frames) {
     const std::size_t got =
         ZSTD_decompress(plain.data() + out, plain.size() - out, bytes.data() + at, span);
     if (ZSTD_isError(got)) {

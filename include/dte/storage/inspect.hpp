@@ -6,8 +6,6 @@
 // checksums and digests are `dte verify`'s (storage/verify.hpp).
 #pragma once
 
-#include <zstd.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <filesystem>
@@ -19,6 +17,7 @@
 #include "dte/error.hpp"
 #include "dte/io/file.hpp"
 #include "dte/layout/hf.hpp"
+#include "dte/storage/chunk.hpp"
 #include "dte/storage/layout.hpp"
 #include "dte/storage/manifest.hpp"
 #include "dte/storage/read.hpp"
@@ -47,35 +46,17 @@ struct RootInfo {
   std::string chain_problem;          // why the chain stops short of an anchor
 };
 
-// Parses a version directory's name ("v" and 20 digits); nullopt for anything else.
-inline std::optional<Version> parse_version_dir(const std::string& name) {
-  if (name.size() != 21 || name[0] != 'v') return std::nullopt;
-  Version v = 0;
-  for (std::size_t i = 1; i < name.size(); ++i) {
-    const char c = name[i];
-    if (c < '0' || c > '9' || v > (UINT64_MAX - 9) / 10) return std::nullopt;
-    v = v * 10 + static_cast<Version>(c - '0');
-  }
-  return v;
-}
-
 // The decompressed size a chunk's zstd frames state, summed (0 when it cannot be read).
 inline std::uint64_t stated_content_size(const std::filesystem::path& p, std::uint64_t bytes) {
   io::detail::FdGuard fd(::open(p.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
   if (fd.get() < 0) return 0;
-  const auto data =
-      io::detail::read_up_to(fd.get(), static_cast<std::size_t>(bytes), "chunk", p.string());
-  std::uint64_t total = 0;
-  for (std::size_t at = 0; at < data.size();) {
-    const unsigned long long n = ZSTD_getFrameContentSize(data.data() + at, data.size() - at);
-    const std::size_t span = ZSTD_findFrameCompressedSize(data.data() + at, data.size() - at);
-    if (n == ZSTD_CONTENTSIZE_ERROR || n == ZSTD_CONTENTSIZE_UNKNOWN || ZSTD_isError(span)) {
-      return 0;
-    }
-    total += n;
-    at += span;
+  try {
+    const auto data =
+        io::detail::read_up_to(fd.get(), static_cast<std::size_t>(bytes), "chunk", p.string());
+    return frame_table(data, p.string(), UINT64_MAX).total;
+  } catch (const std::exception&) {
+    return 0;  // (dte verify says what is wrong with it)
   }
-  return total;
 }
 
 inline RootInfo inspect_root(const layout::HfModel& hf, const std::filesystem::path& root) {

@@ -34,6 +34,18 @@ inline std::string version_dir_name(Version v) {
   return "v" + std::string(20 - digits.size(), '0') + digits;
 }
 
+// Parses a version directory's name ("v" and 20 digits); nullopt for anything else.
+inline std::optional<Version> parse_version_dir(const std::string& name) {
+  if (name.size() != 21 || name[0] != 'v') return std::nullopt;
+  Version v = 0;
+  for (std::size_t i = 1; i < name.size(); ++i) {
+    const char c = name[i];
+    if (c < '0' || c > '9' || v > (UINT64_MAX - 9) / 10) return std::nullopt;
+    v = v * 10 + static_cast<Version>(c - '0');
+  }
+  return v;
+}
+
 inline std::filesystem::path version_dir(const std::filesystem::path& root, Version v) {
   return root / version_dir_name(v);
 }
@@ -69,13 +81,10 @@ inline std::optional<Version> read_latest_file(const std::filesystem::path& file
     throw format_error(name + ": is not \"v<20 digits>\\n\" (" + std::to_string(n) +
                        (n == limit ? "+" : "") + " bytes); not written by dte, or torn");
   };
-  if (n != 22 || text[0] != 'v' || text[21] != '\n') refuse();
-  Version v = 0;
-  for (char c : text.substr(1, 20)) {
-    if (c < '0' || c > '9') refuse();
-    if (v > (UINT64_MAX - static_cast<Version>(c - '0')) / 10) refuse();
-    v = v * 10 + static_cast<Version>(c - '0');
-  }
+  if (n != 22 || text[21] != '\n') refuse();
+  const std::optional<Version> parsed = parse_version_dir(std::string(text.substr(0, 21)));
+  if (!parsed) refuse();
+  const Version v = *parsed;
   if (v > static_cast<Version>(max_version)) {
     throw bounds_error(name + ": version " + std::to_string(v) + " is above the limit of " +
                        std::to_string(max_version));

@@ -401,13 +401,8 @@ class Publisher {
   static Version newest_complete(const std::filesystem::path& root) {
     Version top = 0;
     for (const auto& e : std::filesystem::directory_iterator(root)) {
-      const std::string name = e.path().filename().string();
-      if (name.size() != 21 || name[0] != 'v' ||
-          name.find_first_not_of("0123456789", 1) != std::string::npos) {
-        continue;
-      }
-      const Version v = std::stoull(name.substr(1));
-      if (v > top && std::filesystem::exists(e.path() / manifest_name)) top = v;
+      const std::optional<Version> v = parse_version_dir(e.path().filename().string());
+      if (v && *v > top && std::filesystem::exists(e.path() / manifest_name)) top = *v;
     }
     return top;
   }
@@ -434,9 +429,7 @@ class Publisher {
  public:
   // A name this publisher writes into a version directory (finished, or a temporary of one).
   static bool own_file(const std::string& name) {
-    const auto pos = name.find(".tmp-");
-    const auto npos = name.find(".new-");
-    const std::string base = name.substr(0, std::min(pos, npos));
+    const std::string base = name.substr(0, io::temporary_suffix(name));
     const auto digits = [](std::string_view s) {
       return !s.empty() && s.find_first_not_of("0123456789") == std::string_view::npos;
     };

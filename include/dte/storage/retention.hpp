@@ -59,7 +59,7 @@ inline std::map<std::string, Version> registered_readers(const std::filesystem::
   if (!std::filesystem::is_directory(dir, ec)) return out;
   for (const auto& e : std::filesystem::directory_iterator(dir)) {
     const std::string name = e.path().filename().string();
-    if (name.find(".tmp-") != std::string::npos) continue;  // a registration being written
+    if (io::temporary_suffix(name) != std::string::npos) continue;  // one being written
     // (the same strict form as LATEST: "v<20 digits>\n")
     const std::optional<Version> v = [&] {
       try {
@@ -105,7 +105,7 @@ inline CollectReport collect(const layout::HfModel& hf, const std::filesystem::p
       continue;
     }
     for (const std::string& name : v.unlisted) {
-      if (name.find(".tmp-") != std::string::npos || name.find(".new-") != std::string::npos) {
+      if (io::temporary_suffix(name) != std::string::npos) {
         fs::remove(dir / name);
         rep.temporaries.push_back((dir / name).string());
       }
