@@ -6,15 +6,21 @@
 //   AReaL-DTE  per tensor int32 indices then BF16 values, the whole version through zstd -1;
 //   PULSE      per tensor sorted index gaps narrowed to u8, escaping to u16 and then u32, then
 //              BF16 values, the whole version through zstd -1.
+//   order-0    what no per-tensor memoryless code of the same data can go below: the changed set
+//              as independent elements of each tensor's density (N h(k/N) bits) plus the new
+//              values' sign, exponent and mantissa, each at its order-0 entropy within the tensor;
+//              an overwrite encoding (one that does not know the base) codes exactly these.
 // The deltas: small-qwen3 (tp=2 writers), the synthetic trainer after 3 warm-up steps, one
 // optimizer step per version, at learning rates giving densities between about 0.5% and 3%.
 //   build/bench/bench_storage [--json]
 #include <zstd.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -32,6 +38,9 @@ namespace {
 
 using namespace dte;
 
+// One tensor's part of a chunk, with the chunk's encoding.
+using Piece = std::pair<storage::Encoding, storage::TensorDelta>;
+
 std::size_t zstd1(const std::vector<std::uint8_t>& plain) {
   std::vector<std::uint8_t> out(ZSTD_compressBound(plain.size()));
   const std::size_t n = ZSTD_compress(out.data(), out.size(), plain.data(), plain.size(), 1);
@@ -48,9 +57,9 @@ void put32(std::vector<std::uint8_t>& out, std::uint32_t v) {
     out.push_back(static_cast<std::uint8_t>(v >> (8 * b)));
 }
 
-std::size_t areal(const std::vector<storage::TensorDelta>& d) {
+std::size_t areal(const std::vector<Piece>& d) {
   std::vector<std::uint8_t> plain;
-  for (const auto& t : d) {
+  for (const auto& [encoding, t] : d) {
     for (std::uint32_t i : t.index)
       put32(plain, i);
     for (std::uint16_t b : t.bits)
@@ -59,9 +68,9 @@ std::size_t areal(const std::vector<storage::TensorDelta>& d) {
   return zstd1(plain);
 }
 
-std::size_t pulse(const std::vector<storage::TensorDelta>& d) {
+std::size_t pulse(const std::vector<Piece>& d) {
   std::vector<std::uint8_t> plain;
-  for (const auto& t : d) {
+  for (const auto& [encoding, t] : d) {
     std::uint64_t next = 0;
     for (std::uint32_t i : t.index) {
       const std::uint64_t gap = i - next;
@@ -83,15 +92,56 @@ std::size_t pulse(const std::vector<storage::TensorDelta>& d) {
   return zstd1(plain);
 }
 
+double entropy_bits(const std::map<std::uint32_t, std::uint64_t>& counts, std::uint64_t n) {
+  double bits = 0;
+  for (const auto& [symbol, c] : counts) {
+    const double q = static_cast<double>(c) / static_cast<double>(n);
+    bits -= static_cast<double>(c) * std::log2(q);
+  }
+  return bits;
+}
+
+// Order-0 bytes of the changed set and of the new values (see the top of the file).
+struct Order0 {
+  double index = 0;
+  double values = 0;
+};
+Order0 order0(const layout::HfModel& hf, const std::vector<Piece>& d) {
+  std::map<std::int64_t, std::uint64_t> changed;
+  std::map<std::pair<std::int64_t, storage::Encoding>, std::vector<std::uint16_t>> values;
+  for (const auto& [encoding, t] : d) {
+    changed[t.tensor] += t.bits.size();
+    auto& v = values[{t.tensor, encoding}];
+    v.insert(v.end(), t.bits.begin(), t.bits.end());
+  }
+  Order0 out;
+  for (const auto& [tensor, k] : changed) {
+    const double n = static_cast<double>(hf[tensor].numel());
+    const double q = static_cast<double>(k) / n;
+    if (q < 1) out.index += n * -(q * std::log2(q) + (1 - q) * std::log2(1 - q)) / 8;
+  }
+  for (const auto& [key, bits] : values) {
+    std::map<std::uint32_t, std::uint64_t> sign, exponent, mantissa;
+    for (const std::uint16_t b : bits) {
+      ++sign[b >> 15];
+      ++exponent[(b >> 7) & 0xFFu];
+      ++mantissa[b & 0x7Fu];
+    }
+    out.values += (entropy_bits(sign, bits.size()) + entropy_bits(exponent, bits.size()) +
+                   entropy_bits(mantissa, bits.size())) /
+                  8;
+  }
+  return out;
+}
+
 // The changed elements of version v, from its chunks.
-std::vector<storage::TensorDelta> deltas(const layout::HfModel& hf,
-                                         const std::filesystem::path& root, Version v) {
+std::vector<Piece> deltas(const layout::HfModel& hf, const std::filesystem::path& root, Version v) {
   const storage::Manifest m = storage::read_manifest(hf, root, v);
-  std::vector<storage::TensorDelta> out;
+  std::vector<Piece> out;
   for (const auto& e : m.chunks) {
     storage::Chunk c = storage::read_chunk(hf, storage::version_dir(root, v), m, e);
     for (auto& t : c.tensors)
-      out.push_back(std::move(t));
+      out.emplace_back(c.encoding, std::move(t));
   }
   return out;
 }
@@ -108,8 +158,9 @@ int main(int argc, char** argv) {
   nlohmann::ordered_json rows = nlohmann::ordered_json::array();
   if (!as_json) {
     std::printf("bytes per changed element, small-qwen3, one optimizer step per version\n");
-    std::printf("%-7s %8s %9s | %-15s | %-15s | %9s %7s\n", "lr", "density", "changed",
-                "dte value z1/z3", "dte xor z1/z3", "AReaL-DTE", "PULSE");
+    std::printf("%-7s %8s %9s | %-15s | %-15s | %9s %7s | %-22s\n", "lr", "density", "changed",
+                "dte value z1/z3", "dte xor z1/z3", "AReaL-DTE", "PULSE",
+                "order-0 index+value/xor");
   }
   struct Config {
     const char* name;
@@ -123,7 +174,8 @@ int main(int argc, char** argv) {
   for (const double lr : {2e-7, 3e-7, 5e-7, 1e-6, 2e-6, 3e-6}) {
     nlohmann::ordered_json row;
     std::uint64_t changed = 0;
-    std::vector<storage::TensorDelta> d;
+    std::vector<Piece> d;      // the value run's delta (AReaL-DTE, PULSE, order-0 value)
+    std::vector<Piece> d_xor;  // the xor run's (order-0 xor)
     for (const Config& cfg_row : configs) {
       const std::filesystem::path root = base / (std::to_string(lr) + "-" + cfg_row.name);
       std::filesystem::remove_all(root);
@@ -140,22 +192,29 @@ int main(int argc, char** argv) {
       const storage::PublishReport rep = *writers.step(access);
       changed = rep.changed;
       row[cfg_row.name] = static_cast<double>(rep.bytes) / static_cast<double>(rep.changed);
-      if (cfg_row.encoding == storage::Encoding::value && d.empty())
-        d = deltas(hf, root, rep.version);
+      if (cfg_row.level == 1)
+        (cfg_row.encoding == storage::Encoding::value ? d : d_xor) = deltas(hf, root, rep.version);
       std::filesystem::remove_all(root);
     }
     const double density = static_cast<double>(changed) / static_cast<double>(hf.total());
     row["areal_dte"] = static_cast<double>(areal(d)) / static_cast<double>(changed);
     row["pulse"] = static_cast<double>(pulse(d)) / static_cast<double>(changed);
+    const Order0 bound = order0(hf, d);
+    const Order0 bound_xor = order0(hf, d_xor);
+    row["order0_index"] = bound.index / static_cast<double>(changed);
+    row["order0_values"] = bound.values / static_cast<double>(changed);
+    row["order0_xor_values"] = bound_xor.values / static_cast<double>(changed);
     row["lr"] = lr;
     row["density"] = density;
     row["changed"] = changed;
     if (!as_json) {
-      std::printf("%-7.0e %7.3f%% %9llu | %7.3f %7.3f | %7.3f %7.3f | %9.3f %7.3f\n", lr,
-                  100 * density, static_cast<unsigned long long>(changed),
-                  row["value_zstd1"].get<double>(), row["value_zstd3"].get<double>(),
-                  row["xor_zstd1"].get<double>(), row["xor_zstd3"].get<double>(),
-                  row["areal_dte"].get<double>(), row["pulse"].get<double>());
+      std::printf(
+          "%-7.0e %7.3f%% %9llu | %7.3f %7.3f | %7.3f %7.3f | %9.3f %7.3f | %.3f+%.3f/%.3f\n", lr,
+          100 * density, static_cast<unsigned long long>(changed), row["value_zstd1"].get<double>(),
+          row["value_zstd3"].get<double>(), row["xor_zstd1"].get<double>(),
+          row["xor_zstd3"].get<double>(), row["areal_dte"].get<double>(),
+          row["pulse"].get<double>(), row["order0_index"].get<double>(),
+          row["order0_values"].get<double>(), row["order0_xor_values"].get<double>());
     }
     rows.push_back(row);
   }
