@@ -59,12 +59,14 @@ class FdGuard {
 };
 
 // Reads from fd until the end of the file or `limit` bytes, whichever comes first (EINTR is
-// retried). io_error "cannot read <what> '<name>'" when the OS refuses.
+// retried). io_error "cannot read <what> '<name>'" when the OS refuses. The buffer grows with
+// what is read (a generous limit costs nothing for a small file).
 inline std::vector<std::byte> read_up_to(int fd, std::size_t limit, const std::string& what,
                                          const std::string& name) {
-  std::vector<std::byte> bytes(limit);
+  std::vector<std::byte> bytes(std::min(limit, std::size_t{1} << 16));
   std::size_t done = 0;
-  while (done < bytes.size()) {
+  while (done < limit) {
+    if (done == bytes.size()) bytes.resize(std::min(limit, 2 * bytes.size()));
     const ::ssize_t got = ::read(fd, bytes.data() + done, bytes.size() - done);
     if (got < 0) {
       if (errno == EINTR) continue;
