@@ -13,8 +13,6 @@
 // The deltas: small-qwen3 (tp=2 writers), the synthetic trainer after 3 warm-up steps, one
 // optimizer step per version, at learning rates giving densities between about 0.5% and 3%.
 //   build/bench/bench_storage [--json]
-#include <zstd.h>
-
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -30,6 +28,7 @@
 #include "dte/layout/model.hpp"
 #include "dte/layout/topology.hpp"
 #include "dte/sim/access.hpp"
+#include "dte/sim/baselines.hpp"
 #include "dte/sim/storage_cluster.hpp"
 #include "dte/sim/synthetic_trainer.hpp"
 #include "dte/storage/read.hpp"
@@ -41,55 +40,18 @@ using namespace dte;
 // One tensor's part of a chunk, with the chunk's encoding.
 using Piece = std::pair<storage::Encoding, storage::TensorDelta>;
 
-std::size_t zstd1(const std::vector<std::uint8_t>& plain) {
-  std::vector<std::uint8_t> out(ZSTD_compressBound(plain.size()));
-  const std::size_t n = ZSTD_compress(out.data(), out.size(), plain.data(), plain.size(), 1);
-  if (ZSTD_isError(n)) throw std::runtime_error("zstd failed");
-  return n;
-}
-
-void put16(std::vector<std::uint8_t>& out, std::uint16_t v) {
-  out.push_back(static_cast<std::uint8_t>(v));
-  out.push_back(static_cast<std::uint8_t>(v >> 8));
-}
-void put32(std::vector<std::uint8_t>& out, std::uint32_t v) {
-  for (int b = 0; b < 4; ++b)
-    out.push_back(static_cast<std::uint8_t>(v >> (8 * b)));
-}
-
 std::size_t areal(const std::vector<Piece>& d) {
   std::vector<std::uint8_t> plain;
-  for (const auto& [encoding, t] : d) {
-    for (std::uint32_t i : t.index)
-      put32(plain, i);
-    for (std::uint16_t b : t.bits)
-      put16(plain, b);
-  }
-  return zstd1(plain);
+  for (const auto& [encoding, t] : d)
+    sim::baselines::areal_append(plain, t.index, t.bits);
+  return sim::baselines::zstd1(plain).size();
 }
 
 std::size_t pulse(const std::vector<Piece>& d) {
   std::vector<std::uint8_t> plain;
-  for (const auto& [encoding, t] : d) {
-    std::uint64_t next = 0;
-    for (std::uint32_t i : t.index) {
-      const std::uint64_t gap = i - next;
-      if (gap < 255) {
-        plain.push_back(static_cast<std::uint8_t>(gap));
-      } else if (gap < 65535) {
-        plain.push_back(255);
-        put16(plain, static_cast<std::uint16_t>(gap));
-      } else {
-        plain.push_back(255);
-        put16(plain, 65535);
-        put32(plain, static_cast<std::uint32_t>(gap));
-      }
-      next = std::uint64_t{i} + 1;
-    }
-    for (std::uint16_t b : t.bits)
-      put16(plain, b);
-  }
-  return zstd1(plain);
+  for (const auto& [encoding, t] : d)
+    sim::baselines::pulse_append(plain, t.index, t.bits);
+  return sim::baselines::zstd1(plain).size();
 }
 
 double entropy_bits(const std::map<std::uint32_t, std::uint64_t>& counts, std::uint64_t n) {

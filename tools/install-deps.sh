@@ -6,6 +6,7 @@
 #   tools/install-deps.sh        everything (tools/test.sh)
 #   tools/install-deps.sh demo   only what configuring and building the dte command needs
 #                                (tools/demo.sh): no torch, MPI or clang, which only tests use
+#   tools/install-deps.sh plots  only matplotlib, for tools/plot_benchmarks.py (docs/benchmarks.md)
 set -euo pipefail
 
 demo_packages=(
@@ -19,6 +20,7 @@ packages=(
   libopenmpi-dev openmpi-bin
 )
 if [ "${1:-}" = "demo" ]; then packages=("${demo_packages[@]}"); fi
+if [ "${1:-}" = "plots" ]; then packages=(python3-matplotlib); fi
 
 missing=()
 for p in "${packages[@]}"; do
@@ -30,7 +32,7 @@ done
 # The storage interop test reads dte's files with Python's safetensors (PyPI) and numpy, in
 # the python3 first on PATH.
 python_missing() {
-  [ "${1:-}" != "demo" ] && ! python3 -c "import safetensors, numpy" 2>/dev/null
+  [ -z "${1:-}" ] && ! python3 -c "import safetensors, numpy" 2>/dev/null
 }
 pip_install() {
   echo "install-deps: pip installing safetensors numpy"

@@ -317,6 +317,9 @@ void register_bench(CLI::App& app, int& status) {
       ->check(CLI::Range(0.0, 1.0));
   cmd->add_flag("--json", o->json, "one JSON object");
   cmd->callback([o, &status] { status = run_pipeline(*o); });
+#ifdef DTE_WITH_STORAGE
+  register_bench_compare(*bench, status);
+#endif
 }
 
 }  // namespace dte::tool

@@ -16,6 +16,7 @@ void register_audit_inverse(CLI::App& app, int& status);
 void register_plan(CLI::App& app, int& status);
 void register_simulate(CLI::App& app, int& status);
 void register_bench(CLI::App& app, int& status);
-void register_storage(CLI::App& app, int& status);  // inspect, verify
+void register_bench_compare(CLI::App& bench, int& status);  // with storage: `dte bench compare`
+void register_storage(CLI::App& app, int& status);          // inspect, verify
 
 }  // namespace dte::tool
