@@ -196,62 +196,39 @@ std::vector<std::uint8_t> read_all(const fs::path& path) {
   return out;
 }
 
-// --- dte ---------------------------------------------------------------------------------------
-
-Figures run_dte(const Setup& s, nlohmann::ordered_json* series) {
-  Figures f;
-  f.name = "dte";
-  sim::SyntheticTrainer t = s.trainer();
-  const sim::AdamWAccess access{&t};
-  Tensors tensors(s), storage_tensors(s);
-  const fs::path root = s.root / "dte";
-  fs::remove_all(root);
-  const PeakWatch watch;
+// The engine's ranks over the receivers' tensors: a sender per trainer rank (charged to the
+// sender account) and a receiver per inference rank (receiver account).
+struct EngineRanks {
   std::vector<std::unique_ptr<Sender>> senders;
   std::vector<Receiver> receivers;
-  std::unique_ptr<sim::StorageCluster> writers;
-  std::unique_ptr<storage::Reader> reader;
-  const int per_rank = s.exec.threads();
-  (void)timed(sender_account, [&] {
-    for (std::int64_t r = 0; r < s.train.world(); ++r) {
-      senders.push_back(
-          std::make_unique<Sender>(*s.hf, s.train, *s.recv, r, false, HostExecutor(per_rank)));
-    }
-  });
-  (void)timed(receiver_account, [&] {
-    for (std::int64_t d = 0; d < s.infer.ranks(); ++d)
-      receivers.emplace_back(*s.hf, *s.recv, d, s.train.world(),
-                             tensors.views(static_cast<std::size_t>(d)));
-  });
-  (void)timed(storage_sender_account, [&] {
-    storage::PublisherConfig cfg;
-    cfg.zstd_level = 1;
-    writers = std::make_unique<sim::StorageCluster>(*s.hf, s.train, root, cfg, s.o.threads);
-  });
-  (void)timed(storage_receiver_account, [&] {
-    std::vector<std::int64_t> replicas;
-    std::vector<ReceiverTensors> views;
-    for (std::int64_t r = 0; r < s.infer.replicas; ++r)
-      replicas.push_back(r);
-    for (std::size_t d = 0; d < storage_tensors.rank.size(); ++d)
-      views.push_back(storage_tensors.views(d));
-    reader = std::make_unique<storage::Reader>(*s.hf, *s.recv, root, replicas, std::move(views));
-  });
 
-  // One publication of the same-cluster path: each rank's messages, then every receiver.
-  Version version = 0;
-  auto publish = [&](MessageKind kind, Path& p) {
+  EngineRanks(const Setup& s, Tensors& tensors) {
+    (void)timed(sender_account, [&] {
+      for (std::int64_t r = 0; r < s.train.world(); ++r)
+        senders.push_back(std::make_unique<Sender>(*s.hf, s.train, *s.recv, r, false, s.exec));
+    });
+    (void)timed(receiver_account, [&] {
+      for (std::int64_t d = 0; d < s.infer.ranks(); ++d)
+        receivers.emplace_back(*s.hf, *s.recv, d, s.train.world(),
+                               tensors.views(static_cast<std::size_t>(d)));
+    });
+  }
+
+  // One publication: each rank's messages (p.sender_s: the slowest rank), then every receiver
+  // applies what it got (p.apply_s). Returns the elements sent.
+  template <class Access>
+  std::uint64_t publish(const Setup& s, const Access& access, MessageKind kind, Version version,
+                        Path& p, const char* approach) {
+    const bool full = kind == MessageKind::full;
     std::vector<std::vector<Payload>> out(senders.size());
     std::uint64_t changed = 0;
     for (std::size_t r = 0; r < senders.size(); ++r) {
       p.sender_s =
           std::max(p.sender_s, timed(sender_account, [&] {
                      const ScanResult res = senders[r]->scan(
-                         access, kind == MessageKind::full ? pipeline::ScanMode::all
-                                                           : pipeline::ScanMode::detect);
+                         access, full ? pipeline::ScanMode::all : pipeline::ScanMode::detect);
                      changed += res.changed;
-                     out[r] = senders[r]->finish(
-                         kind, version, kind == MessageKind::full ? no_version : version - 1);
+                     out[r] = senders[r]->finish(kind, version, full ? no_version : version - 1);
                      p.bytes += senders[r]->payload_bytes();
                    }));
     }
@@ -265,7 +242,10 @@ Figures run_dte(const Setup& s, nlohmann::ordered_json* series) {
           inbox.emplace_back(static_cast<std::int64_t>(r), std::move(bytes));
         }
         const ApplyResult a = receivers[d].apply(version, inbox);
-        if (!a.committed()) throw error("dte bench compare: a dte receiver refused: " + a.refusal);
+        if (!a.committed()) {
+          throw error(std::string("dte bench compare: a ") + approach +
+                      " receiver refused: " + a.refusal);
+        }
       });
     });
     (void)timed(sender_account, [&] {
@@ -273,6 +253,54 @@ Figures run_dte(const Setup& s, nlohmann::ordered_json* series) {
         x->release();
     });
     return changed;
+  }
+};
+
+// A storage reader over every replica of `tensors` (charged to account a).
+std::unique_ptr<storage::Reader> make_reader(const Setup& s, const fs::path& root, Tensors& tensors,
+                                             int a) {
+  const meter::Scope scope(a);
+  std::vector<std::int64_t> replicas;
+  std::vector<ReceiverTensors> views;
+  for (std::int64_t r = 0; r < s.infer.replicas; ++r)
+    replicas.push_back(r);
+  for (std::size_t d = 0; d < tensors.rank.size(); ++d)
+    views.push_back(tensors.views(d));
+  return std::make_unique<storage::Reader>(*s.hf, *s.recv, root, replicas, std::move(views));
+}
+
+// A little-endian u32 at `at` (the callers have checked the bounds).
+std::uint32_t get32(std::span<const std::uint8_t> in, std::size_t at) {
+  std::uint32_t v = 0;
+  for (std::size_t b = 0; b < 4; ++b)
+    v |= std::uint32_t{in[at + b]} << (8 * b);
+  return v;
+}
+
+// --- dte ---------------------------------------------------------------------------------------
+
+Figures run_dte(const Setup& s, nlohmann::ordered_json* series) {
+  Figures f;
+  f.name = "dte";
+  sim::SyntheticTrainer t = s.trainer();
+  const sim::AdamWAccess access{&t};
+  Tensors tensors(s), storage_tensors(s);
+  const fs::path root = s.root / "dte";
+  fs::remove_all(root);
+  const PeakWatch watch;
+  EngineRanks ranks(s, tensors);
+  std::unique_ptr<sim::StorageCluster> writers;
+  (void)timed(storage_sender_account, [&] {
+    storage::PublisherConfig cfg;
+    cfg.zstd_level = 1;
+    writers = std::make_unique<sim::StorageCluster>(*s.hf, s.train, root, cfg, s.o.threads);
+  });
+  const std::unique_ptr<storage::Reader> reader =
+      make_reader(s, root, storage_tensors, storage_receiver_account);
+
+  Version version = 0;
+  auto publish = [&](MessageKind kind, Path& p) {
+    return ranks.publish(s, access, kind, version, p, "dte");
   };
   auto publish_storage = [&](Path& p) {
     p.sender_s += timed(storage_sender_account, [&] {
@@ -431,20 +459,13 @@ Figures run_snapshot_diff(const Setup& s) {
         const std::vector<std::uint8_t> received = wire[r];  // the receive buffer
         std::size_t at = 0;
         while (at < received.size()) {
-          std::uint32_t tensor = 0, count = 0;
-          for (int b = 0; b < 4; ++b)
-            tensor |= std::uint32_t{received[at + static_cast<std::size_t>(b)]} << (8 * b);
-          for (int b = 0; b < 4; ++b)
-            count |= std::uint32_t{received[at + 4 + static_cast<std::size_t>(b)]} << (8 * b);
+          const std::uint32_t tensor = get32(received, at), count = get32(received, at + 4);
           at += 8;
-          const std::uint8_t* idx = received.data() + at;
-          const std::uint8_t* val = idx + 4 * std::size_t{count};
-          for (std::uint32_t e = 0; e < count; ++e) {
-            std::uint32_t i = 0;
-            for (int b = 0; b < 4; ++b)
-              i |= std::uint32_t{idx[4 * e + static_cast<std::uint32_t>(b)]} << (8 * b);
-            const auto bits = static_cast<std::uint16_t>(val[2 * e] | (val[2 * e + 1] << 8));
-            tensors.put(*s.recv, tensor, i, bits);
+          const std::size_t values = at + 4 * std::size_t{count};
+          for (std::size_t e = 0; e < count; ++e) {
+            const auto bits = static_cast<std::uint16_t>(received[values + 2 * e] |
+                                                         (received[values + 2 * e + 1] << 8));
+            tensors.put(*s.recv, tensor, get32(received, at + 4 * e), bits);
           }
           at += 6 * std::size_t{count};
         }
@@ -458,11 +479,7 @@ Figures run_snapshot_diff(const Setup& s) {
         std::vector<std::uint32_t> idx;
         std::vector<std::uint16_t> val;
         while (at < plain.size()) {
-          std::uint32_t tensor = 0, count = 0;
-          for (int b = 0; b < 4; ++b)
-            tensor |= std::uint32_t{plain[at + static_cast<std::size_t>(b)]} << (8 * b);
-          for (int b = 0; b < 4; ++b)
-            count |= std::uint32_t{plain[at + 4 + static_cast<std::size_t>(b)]} << (8 * b);
+          const std::uint32_t tensor = get32(plain, at), count = get32(plain, at + 4);
           at += 8;
           idx.clear();
           val.clear();
@@ -495,17 +512,7 @@ Figures run_dense(const Setup& s) {
   const sim::AdamWAccess access{&t};
   Tensors tensors(s);
   const PeakWatch watch;
-  std::vector<std::unique_ptr<Sender>> senders;
-  std::vector<Receiver> receivers;
-  (void)timed(sender_account, [&] {
-    for (std::int64_t r = 0; r < s.train.world(); ++r)
-      senders.push_back(std::make_unique<Sender>(*s.hf, s.train, *s.recv, r, false, s.exec));
-  });
-  (void)timed(receiver_account, [&] {
-    for (std::int64_t d = 0; d < s.infer.ranks(); ++d)
-      receivers.emplace_back(*s.hf, *s.recv, d, s.train.world(),
-                             tensors.views(static_cast<std::size_t>(d)));
-  });
+  EngineRanks ranks(s, tensors);
   for (int w = 0; w < 3; ++w)
     t.step();
   PeakWatch measured = watch;
@@ -513,33 +520,7 @@ Figures run_dense(const Setup& s) {
   for (int k = 0; k <= s.o.steps; ++k) {
     if (k > 0) t.step();
     Path one;
-    std::vector<std::vector<Payload>> out(senders.size());
-    for (std::size_t r = 0; r < senders.size(); ++r) {
-      one.sender_s = std::max(one.sender_s, timed(sender_account, [&] {
-                                (void)senders[r]->scan(access, pipeline::ScanMode::all);
-                                out[r] = senders[r]->finish(MessageKind::full,
-                                                            static_cast<Version>(k), no_version);
-                                one.bytes += senders[r]->payload_bytes();
-                              }));
-    }
-    one.apply_s = timed(receiver_account, [&] {
-      s.exec.for_each(receivers.size(), [&](std::size_t d, int) {
-        Inbox inbox;
-        for (std::size_t r = 0; r < out.size(); ++r) {
-          Bytes bytes;
-          for (const auto& part : out[r][d])
-            bytes.insert(bytes.end(), part.begin(), part.end());
-          inbox.emplace_back(static_cast<std::int64_t>(r), std::move(bytes));
-        }
-        const ApplyResult a = receivers[d].apply(static_cast<Version>(k), inbox);
-        if (!a.committed())
-          throw error("dte bench compare: a dense receiver refused: " + a.refusal);
-      });
-    });
-    (void)timed(sender_account, [&] {
-      for (auto& x : senders)
-        x->release();
-    });
+    (void)ranks.publish(s, access, MessageKind::full, static_cast<Version>(k), one, "dense");
     if (k == 0) {  // the first sync is every approach's start; not measured
       measured.start();
       continue;
@@ -570,21 +551,12 @@ Figures run_checkpoint(const Setup& s) {
   fs::remove_all(root);
   const PeakWatch watch;
   std::unique_ptr<sim::StorageCluster> writers;
-  std::unique_ptr<storage::Reader> reader;
   (void)timed(sender_account, [&] {
     storage::PublisherConfig cfg;
     cfg.anchor_every = 1;  // every version a full HF checkpoint
     writers = std::make_unique<sim::StorageCluster>(*s.hf, s.train, root, cfg, s.o.threads);
   });
-  (void)timed(receiver_account, [&] {
-    std::vector<std::int64_t> replicas;
-    std::vector<ReceiverTensors> views;
-    for (std::int64_t r = 0; r < s.infer.replicas; ++r)
-      replicas.push_back(r);
-    for (std::size_t d = 0; d < tensors.rank.size(); ++d)
-      views.push_back(tensors.views(d));
-    reader = std::make_unique<storage::Reader>(*s.hf, *s.recv, root, replicas, std::move(views));
-  });
+  const std::unique_ptr<storage::Reader> reader = make_reader(s, root, tensors, receiver_account);
   for (int w = 0; w < 3; ++w)
     t.step();
   PeakWatch measured = watch;
