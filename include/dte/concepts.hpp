@@ -74,6 +74,9 @@ concept layout_mapping = requires {
 &&requires(const L& l, const typename L::param_type& p, std::int64_t i) {
   { l(p, i) } -> std::same_as<typename L::canonical_type>;
   { l.is_sender(p) } -> std::same_as<bool>;
+  // How many elements from flat index i on map to consecutive canonical indices (at least 1):
+  // the pipeline's runs and the coverage check never extend a run past it.
+  { l.contiguous(p, i) } -> std::same_as<std::int64_t>;
 };
 
 // What a layout's plan tells the engine about one trainer rank's shard: its segments per buffer

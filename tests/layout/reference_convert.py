@@ -2,11 +2,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Independent tensor-level reference converter for dte's layout differential test.
 
-Written from /work/shared/LAYOUTS.md (§1-§6, §9, §10) only, with torch tensor operations
+Written from /work/shared/LAYOUTS.md (§1-§6, §9-§11) only, with torch tensor operations
 (view/reshape, chunk, cat, narrow, stack) instead of per-element index formulas, so that an
 index-formula mistake elsewhere cannot be repeated here.
 
-  reference_convert.py --model {tiny-qwen3|tiny-qwen3-moe|CONFIG.json}
+  reference_convert.py --model {tiny-qwen3|tiny-qwen3-moe|tiny-qwen3-tied|tiny-qwen2|tiny-llama|CONFIG.json}
                        --train tp=T,pp=P,ep=E,etp=ET,dp=D --infer tp=TS,ep=ES,replicas=R
                        --seed N --out DIR
 
@@ -23,6 +23,12 @@ Writes three safetensors files into DIR (all F32, written by hand):
                          experts_per_ep_rank, pad_rows, pad_fill
   receivers.safetensors  r{rank}.{sglang name}, rank = replica*TS + ts, global layer index.
                          metadata: Vs, V, tp, ep, replicas, moe_tp, world
+
+Families (LAYOUTS.md §11): Qwen2 adds q/k/v biases (HF q_proj/k_proj/v_proj.bias; Megatron
+linear_qkv.bias in the weight's group-interleaved row order; SGLang qkv_proj.bias cut like the
+weight rows); Qwen2 and Llama/Mistral have no q/k norm and may derive head_dim = H / nq; tied
+embeddings drop lm_head.weight from HF and SGLang, and Megatron holds output_layer.weight only on
+the last stage when pp > 1, as an exact copy of the padded embedding (junk rows included).
 
 Values: every HF tensor element is distinct (a seeded random permutation of the quantiles of a
 standard normal, so the values are normally distributed and exactly distinct in float32). Megatron
@@ -71,6 +77,39 @@ PRESETS = {
         "vocab_size": 300,
         "tie_word_embeddings": False,
     },
+    "tiny-qwen3-tied": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "hidden_size": 32,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 48,
+        "vocab_size": 300,
+        "tie_word_embeddings": True,
+    },
+    "tiny-qwen2": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "intermediate_size": 96,
+        "vocab_size": 300,
+        "tie_word_embeddings": False,
+    },
+    "tiny-llama": {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "intermediate_size": 96,
+        "vocab_size": 300,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "mlp_bias": False,
+    },
 }
 
 MEGATRON_VOCAB_DIVISOR = 128  # --make-vocab-size-divisible-by default (LAYOUTS.md §3.2)
@@ -92,13 +131,18 @@ class Model:
         self.name = name
         self.raw = dict(cfg)
         arch = (cfg.get("architectures") or [None])[0]
-        if arch == "Qwen3ForCausalLM":
-            self.moe = False
-        elif arch == "Qwen3MoeForCausalLM":
-            self.moe = True
+        self.arch = arch
+        if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+            self.moe = arch == "Qwen3MoeForCausalLM"
+            self.qk_norm, self.bias = True, False
+        elif arch == "Qwen2ForCausalLM":
+            self.moe, self.qk_norm, self.bias = False, False, True
+        elif arch in ("LlamaForCausalLM", "MistralForCausalLM"):
+            self.moe, self.qk_norm, self.bias = False, False, False
         else:
-            raise Refused(f"architectures[0] = {arch!r}: expected Qwen3ForCausalLM or "
-                          "Qwen3MoeForCausalLM")
+            raise Refused(f"architectures[0] = {arch!r}: expected Qwen3ForCausalLM, "
+                          "Qwen3MoeForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM or "
+                          "MistralForCausalLM")
 
         def need(key):
             if key not in cfg:
@@ -124,10 +168,13 @@ class Model:
             raise Refused(f"num_attention_heads (nq={self.nq}) % num_key_value_heads "
                           f"(ng={self.ng}) != 0")
         self.qpg = self.nq // self.ng
-        if cfg.get("tie_word_embeddings", False):
-            raise Refused("tie_word_embeddings = true is not supported (Qwen3 8B/30B-A3B are untied)")
-        if cfg.get("attention_bias", False):
-            raise Refused("attention_bias = true is not supported (Qwen3 has no q/k/v/o bias)")
+        self.tied = bool(cfg.get("tie_word_embeddings", False))
+        if self.tied and self.moe:
+            raise Refused("tie_word_embeddings = true with an MoE model is not supported")
+        if cfg.get("attention_bias", False) and not self.bias:
+            raise Refused("attention_bias = true is not supported (it adds an o_proj bias)")
+        if cfg.get("mlp_bias", False):
+            raise Refused("mlp_bias = true is not supported")
         if self.moe:
             self.E = need("num_experts")
             self.Fm = need("moe_intermediate_size")
@@ -279,8 +326,19 @@ def hf_shapes(m):
             (p + "self_attn.q_proj.weight", (m.nq * d, H)),
             (p + "self_attn.k_proj.weight", (m.ng * d, H)),
             (p + "self_attn.v_proj.weight", (m.ng * d, H)),
-            (p + "self_attn.q_norm.weight", (d,)),
-            (p + "self_attn.k_norm.weight", (d,)),
+        ]
+        if m.bias:
+            out += [
+                (p + "self_attn.q_proj.bias", (m.nq * d,)),
+                (p + "self_attn.k_proj.bias", (m.ng * d,)),
+                (p + "self_attn.v_proj.bias", (m.ng * d,)),
+            ]
+        if m.qk_norm:
+            out += [
+                (p + "self_attn.q_norm.weight", (d,)),
+                (p + "self_attn.k_norm.weight", (d,)),
+            ]
+        out += [
             (p + "self_attn.o_proj.weight", (H, m.nq * d)),
             (p + "post_attention_layernorm.weight", (H,)),
         ]
@@ -299,7 +357,9 @@ def hf_shapes(m):
                 (p + "mlp.up_proj.weight", (m.F, H)),
                 (p + "mlp.down_proj.weight", (H, m.F)),
             ]
-    out += [("model.norm.weight", (H,)), ("lm_head.weight", (m.V, H))]
+    out += [("model.norm.weight", (H,))]
+    if not m.tied:
+        out += [("lm_head.weight", (m.V, H))]
     return out
 
 
@@ -329,12 +389,18 @@ def make_hf(m, seed):
 
 
 def megatron_qkv_full(m, q, k, v):
-    """Unsharded group-interleaved Megatron QKV [ng*(qpg+2)*d, H]: per group [q heads; k; v]."""
-    H, d = m.H, m.d
+    """Unsharded group-interleaved Megatron QKV [ng*(qpg+2)*d, H]: per group [q heads; k; v].
+    For the 1-D biases the same with one column, returned 1-D."""
+    d = m.d
+    bias = q.dim() == 1
+    if bias:
+        q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
+    H = q.shape[1]
     qg = q.reshape(m.ng, m.qpg * d, H)  # heads g*qpg .. g*qpg+qpg-1 of group g
     kg = k.reshape(m.ng, d, H)
     vg = v.reshape(m.ng, d, H)
-    return torch.cat([qg, kg, vg], dim=1).reshape(-1, H)
+    full = torch.cat([qg, kg, vg], dim=1).reshape(-1, H)
+    return full.reshape(-1) if bias else full
 
 
 def megatron_vocab_padded(m, w, Vp, junk_base):
@@ -348,12 +414,17 @@ def megatron_shards(m, hf, train):
     Lps = m.L // PP
     Vp = padded_vocab_megatron(m.V, Tm)
     emb_full = megatron_vocab_padded(m, hf["model.embed_tokens.weight"], Vp, EMBED_JUNK_BASE)
-    out_full = megatron_vocab_padded(m, hf["lm_head.weight"], Vp, OUTPUT_JUNK_BASE)
-    qkv_full = {}
+    # Tied: the last stage's output layer (pp > 1 only) is an exact copy of the padded embedding.
+    out_full = emb_full.clone() if m.tied else megatron_vocab_padded(
+        m, hf["lm_head.weight"], Vp, OUTPUT_JUNK_BASE)
+    qkv_full, qkv_bias_full = {}, {}
     for L in range(m.L):
         p = f"model.layers.{L}.self_attn."
         qkv_full[L] = megatron_qkv_full(m, hf[p + "q_proj.weight"], hf[p + "k_proj.weight"],
                                         hf[p + "v_proj.weight"])
+        if m.bias:
+            qkv_bias_full[L] = megatron_qkv_full(m, hf[p + "q_proj.bias"], hf[p + "k_proj.bias"],
+                                                 hf[p + "v_proj.bias"])
     dense = {}
     for pp in range(PP):
         for tm in range(Tm):
@@ -368,8 +439,11 @@ def megatron_shards(m, hf, train):
                     hf[h + "self_attn.o_proj.weight"], Tm, tm, dim=1)
                 t[g + "self_attention.linear_qkv.layer_norm_weight"] = hf[h + "input_layernorm.weight"]
                 t[g + "self_attention.linear_qkv.weight"] = part(qkv_full[L], Tm, tm)
-                t[g + "self_attention.q_layernorm.weight"] = hf[h + "self_attn.q_norm.weight"]
-                t[g + "self_attention.k_layernorm.weight"] = hf[h + "self_attn.k_norm.weight"]
+                if m.bias:
+                    t[g + "self_attention.linear_qkv.bias"] = part(qkv_bias_full[L], Tm, tm)
+                if m.qk_norm:
+                    t[g + "self_attention.q_layernorm.weight"] = hf[h + "self_attn.q_norm.weight"]
+                    t[g + "self_attention.k_layernorm.weight"] = hf[h + "self_attn.k_norm.weight"]
                 if m.moe:
                     t[g + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
                     t[g + "mlp.router.weight"] = hf[h + "mlp.gate.weight"]
@@ -381,7 +455,8 @@ def megatron_shards(m, hf, train):
                     t[g + "mlp.linear_fc2.weight"] = part(hf[h + "mlp.down_proj.weight"], Tm, tm, dim=1)
             if pp == PP - 1:
                 t["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
-                t["output_layer.weight"] = part(out_full, Tm, tm)
+                if not m.tied or PP > 1:  # tied, pp = 1: the logits use the embedding
+                    t["output_layer.weight"] = part(out_full, Tm, tm)
             dense[(tm, pp)] = t
     expert = {}
     if m.moe:
@@ -431,9 +506,15 @@ def receiver_shards(m, hf, infer):
                 part(hf[a + "q_proj.weight"], TS, ts),
                 part(hf[a + "k_proj.weight"], kv_parts, ts // rep),
                 part(hf[a + "v_proj.weight"], kv_parts, ts // rep)], dim=0)
+            if m.bias:
+                t[a + "qkv_proj.bias"] = torch.cat([
+                    part(hf[a + "q_proj.bias"], TS, ts),
+                    part(hf[a + "k_proj.bias"], kv_parts, ts // rep),
+                    part(hf[a + "v_proj.bias"], kv_parts, ts // rep)], dim=0)
             t[a + "o_proj.weight"] = part(hf[a + "o_proj.weight"], TS, ts, dim=1)
-            t[a + "q_norm.weight"] = hf[a + "q_norm.weight"]
-            t[a + "k_norm.weight"] = hf[a + "k_norm.weight"]
+            if m.qk_norm:
+                t[a + "q_norm.weight"] = hf[a + "q_norm.weight"]
+                t[a + "k_norm.weight"] = hf[a + "k_norm.weight"]
             t[p + "post_attention_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"]
             if m.moe:
                 Ms = TS // ES
@@ -455,7 +536,8 @@ def receiver_shards(m, hf, infer):
                     part(hf[p + "mlp.up_proj.weight"], TS, ts)], dim=0)
                 t[p + "mlp.down_proj.weight"] = part(hf[p + "mlp.down_proj.weight"], TS, ts, dim=1)
         t["model.norm.weight"] = hf["model.norm.weight"]
-        t["lm_head.weight"] = sglang_vocab_part(m, hf["lm_head.weight"], Vs, TS, ts)
+        if not m.tied:  # tied: lm_head is embed_tokens, one tensor
+            t["lm_head.weight"] = sglang_vocab_part(m, hf["lm_head.weight"], Vs, TS, ts)
         one[ts] = t
     recv = {}
     for r in range(R):
@@ -541,7 +623,7 @@ def convert(m, train, infer, seed):
 
 def flatten_outputs(m, train, infer, seed, hf, dense, expert, Vp, recv, Vs):
     """The three (tensors, metadata) pairs that go into the files."""
-    arch = "Qwen3MoeForCausalLM" if m.moe else "Qwen3ForCausalLM"
+    arch = m.arch
     hf_meta = {"format": "hf", "model": m.name, "architecture": arch, "seed": seed, "V": m.V,
                "config": json.dumps(m.raw, sort_keys=True)}
     meg = {}

@@ -2,7 +2,9 @@
 // Differential test: a random model converted through dte's transfer plans equals the
 // independent tensor-level reference (reference_convert.py: torch reshape/split/cat written from
 // shared/LAYOUTS.md, sharing no code with the index maps), bit for bit, for every tensor kind,
-// experts and the padded vocabulary included. Also the HF canonical values per sent element.
+// experts and the padded vocabulary included. Also the HF canonical values per sent element, and
+// per element of every copy that does not send (TP replicas of norms, a tied model's output
+// layer on the last stage), which must hold its canonical element's value too.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -68,13 +70,12 @@ TEST_CASE("transfer plans reproduce the tensor-level reference bit for bit") {
     return it->second;
   };
 
-  std::int64_t sent = 0, canonical_mismatch = 0;
+  std::int64_t sent = 0, canonical_mismatch = 0, copies = 0, copy_mismatch = 0;
   for (std::int64_t g = 0; g < t.world(); ++g) {
     const TransferPlan plan(hf, t, recv, g);
     const TrainRank& r = plan.rank();
     for (BufferKind b : {BufferKind::dense, BufferKind::expert}) {
       for (const PlanSegment& s : plan.segments(b)) {
-        if (!s.sender) continue;
         const MegatronParam& p = plan.params()[static_cast<std::size_t>(s.param)];
         const std::string name =
             p.is_expert()
@@ -83,6 +84,17 @@ TEST_CASE("transfer plans reproduce the tensor-level reference bit for bit") {
                 : "dense.tp" + std::to_string(r.tm) + ".pp" + std::to_string(r.pp) + "." + p.name();
         const std::vector<float>& src = tensor(meg, name);
         REQUIRE(static_cast<std::int64_t>(src.size()) == p.numel());
+        if (!s.sender) {
+          for (std::int64_t i = 0; i < s.length; ++i) {
+            const Canonical c = plan.mapping()(p, s.param_begin + i);
+            if (c.tensor < 0) continue;
+            ++copies;
+            const std::vector<float>& hv = tensor(hfile, hf.name(c.tensor));
+            copy_mismatch += bits(hv[static_cast<std::size_t>(c.index)]) !=
+                             bits(src[static_cast<std::size_t>(s.param_begin + i)]);
+          }
+          continue;
+        }
         for (std::int64_t i = 0; i < s.length; ++i) {
           const std::int64_t o = s.shard_begin + i;
           const float value = src[static_cast<std::size_t>(s.param_begin + i)];
@@ -101,6 +113,9 @@ TEST_CASE("transfer plans reproduce the tensor-level reference bit for bit") {
   }
   CHECK(sent == hf.total());
   CHECK(canonical_mismatch == 0);
+  CHECK(copy_mismatch == 0);
+  // A tied model with pp > 1 holds a second copy of every embedding element.
+  if (m.tied() && t.pp > 1) CHECK(copies >= m.vocab * m.hidden);
 
   std::int64_t compared = 0, mismatched = 0, tensors = 0;
   for (std::int64_t rr = 0; rr < inf.ranks(); ++rr) {
@@ -124,7 +139,8 @@ TEST_CASE("transfer plans reproduce the tensor-level reference bit for bit") {
     }
   }
   MESSAGE(dir << ": " << tensors << " receiver tensors, " << compared << " elements compared, "
-              << mismatched << " differ; " << sent << " canonical elements sent");
+              << mismatched << " differ; " << sent << " canonical elements sent, " << copies
+              << " non-sending copies checked");
   CHECK(tensors == recv.size() * inf.ranks());
   CHECK(mismatched == 0);
 }

@@ -142,8 +142,8 @@ TEST_CASE("topology syntax errors and bad models are refused") {
   CHECK_THROWS_WITH_AS(model_preset("llama-7b"), Contains("unknown model preset 'llama-7b'"),
                        dte::invalid_argument);
   ModelSpec m = model_preset("tiny-qwen3");
-  m.architecture = "LlamaForCausalLM";
-  CHECK_THROWS_WITH_AS(m.validate(), Contains("unknown architecture 'LlamaForCausalLM'"),
+  m.architecture = "GPT2LMHeadModel";
+  CHECK_THROWS_WITH_AS(m.validate(), Contains("unknown architecture 'GPT2LMHeadModel'"),
                        dte::invalid_argument);
   m = model_preset("tiny-qwen3");
   m.kv_heads = 3;

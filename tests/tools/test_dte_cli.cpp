@@ -302,10 +302,10 @@ TEST_CASE("dte plan: topologies and configs that cannot work are refused (exit 2
   no_kv.replace(no_kv.find("\"num_key_value_heads\": 2, "), 26, "");
   refused("--model " + write_text("no-kv.json", no_kv) + " --train tp=1",
           "field 'num_key_value_heads' is missing");
-  std::string llama = kTinyMoeConfig;
-  llama.replace(llama.find("Qwen3MoeForCausalLM"), 19, "LlamaForCausalLM");
-  refused("--model " + write_text("llama.json", llama) + " --train tp=1",
-          "unknown architecture 'LlamaForCausalLM'");
+  std::string deepseek = kTinyMoeConfig;
+  deepseek.replace(deepseek.find("Qwen3MoeForCausalLM"), 19, "DeepseekV3ForCausalLM");
+  refused("--model " + write_text("deepseek.json", deepseek) + " --train tp=1",
+          "unknown architecture 'DeepseekV3ForCausalLM'");
 }
 
 TEST_CASE("dte plan: counts that overflow never print coverage exact; reproducers end fast") {

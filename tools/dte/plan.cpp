@@ -143,6 +143,8 @@ void register_plan(CLI::App& app, int& status) {
     if (o->json) {
       nlohmann::ordered_json j;
       j["model"] = m.name;
+      j["architecture"] = m.architecture;
+      j["structure"] = m.structure();
       j["train"] = o->train;
       j["infer"] = o->infer;
       j["trainer_ranks"] = train.world();
@@ -166,6 +168,7 @@ void register_plan(CLI::App& app, int& status) {
     std::printf("dte plan %s  train %s (%lld ranks)  infer %s (%lld ranks)\n", m.name.c_str(),
                 o->train.c_str(), static_cast<long long>(train.world()), o->infer.c_str(),
                 static_cast<long long>(infer.ranks()));
+    std::printf("  model               %s\n", m.structure().c_str());
     std::printf("  source elements     %lld (optimizer shards, %lld carry a canonical element)\n",
                 static_cast<long long>(cov.source_elements),
                 static_cast<long long>(cov.sender_elements));

@@ -1,12 +1,20 @@
 // SPDX-License-Identifier: Apache-2.0
-// ModelSpec from a HuggingFace config.json (Qwen3ForCausalLM, Qwen3MoeForCausalLM), or from a
-// preset name. Every field the maps depend on must be present: a missing or mistyped field is
-// refused with its name rather than defaulted, because a wrong default silently misroutes. Every
-// integer is read as an integer within the limits of dte/bounds.hpp; duplicate keys are refused.
+// ModelSpec from a HuggingFace config.json (Qwen3ForCausalLM, Qwen3MoeForCausalLM,
+// Qwen2ForCausalLM, LlamaForCausalLM, MistralForCausalLM), or from a preset name. Every field the
+// maps depend on must be present: a missing or mistyped field is refused with its name rather
+// than defaulted, because a wrong default silently misroutes. The two exceptions are HF's own
+// semantics, not dte's guesses: `head_dim` absent (or null) for Qwen2/Llama/Mistral is
+// hidden_size / num_attention_heads, as their modeling code derives it, and
+// `tie_word_embeddings` absent is false, every supported config class's default. A field that
+// would change a layout in a way dte does not map (an o_proj or MLP bias, dense layers in an MoE
+// model, ...) is refused by name; everything else (rope, sliding window, dtype, token ids) does
+// not move an element and is ignored. Every integer is read as an integer within the limits of
+// dte/bounds.hpp; duplicate keys are refused.
 #pragma once
 
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -21,6 +29,7 @@ namespace dte::io {
 
 inline layout::ModelSpec model_from_config_json(const nlohmann::json& j,
                                                 const std::string& source) {
+  using layout::Family;
   const JsonReader r(source);
   auto fail = [&](const std::string& what) -> void {
     throw format_error(source + ": " + what, about(source));
@@ -33,6 +42,14 @@ inline layout::ModelSpec model_from_config_json(const nlohmann::json& j,
     }
     return r.integer(*it, field, 1, hi);
   };
+  auto present = [&](const char* field) {
+    const auto it = j.find(field);
+    return it != j.end() && !it->is_null();
+  };
+  auto flag = [&](const char* field) {
+    const auto it = j.find(field);
+    return it != j.end() && !it->is_null() && r.boolean(*it, field);
+  };
   layout::ModelSpec m;
   m.name = source;
   const auto arch = j.find("architectures");
@@ -40,17 +57,30 @@ inline layout::ModelSpec model_from_config_json(const nlohmann::json& j,
     fail("field 'architectures' is missing or not a list of names");
   }
   m.architecture = (*arch)[0].get<std::string>();
-  if (m.architecture != "Qwen3ForCausalLM" && m.architecture != "Qwen3MoeForCausalLM") {
-    fail("unknown architecture " + detail::quote_name(m.architecture) +
-         "; dte maps Qwen3ForCausalLM and Qwen3MoeForCausalLM");
+  const std::optional<Family> family = layout::family_of(m.architecture);
+  if (!family) {
+    fail("unknown architecture " + detail::quote_name(m.architecture) + "; dte maps " +
+         std::string(layout::supported_architectures));
   }
   m.hidden = integer("hidden_size", limits::hidden);
   m.layers = integer("num_hidden_layers", limits::layers);
   m.heads = integer("num_attention_heads", limits::heads);
   m.kv_heads = integer("num_key_value_heads", limits::heads);
-  m.head_dim = integer("head_dim", limits::head_dim);
   m.vocab = integer("vocab_size", limits::vocab);
-  if (m.architecture == "Qwen3MoeForCausalLM") {
+  if (*family == Family::qwen3 || *family == Family::qwen3_moe) {
+    // Qwen3's head_dim is its own field (128 in the real models, != hidden / heads for some).
+    m.head_dim = integer("head_dim", limits::head_dim);
+  } else if (present("head_dim")) {
+    m.head_dim = integer("head_dim", limits::head_dim);
+  } else {
+    if (m.hidden % m.heads != 0) {
+      fail("field 'head_dim' is absent and hidden_size (" + std::to_string(m.hidden) +
+           ") is not a multiple of num_attention_heads (" + std::to_string(m.heads) +
+           "); give head_dim");
+    }
+    m.head_dim = m.hidden / m.heads;
+  }
+  if (*family == Family::qwen3_moe) {
     m.experts = integer("num_experts", limits::experts);
     m.moe_intermediate = integer("moe_intermediate_size", limits::intermediate);
     m.experts_per_token = integer("num_experts_per_tok", m.experts);
@@ -66,6 +96,33 @@ inline layout::ModelSpec model_from_config_json(const nlohmann::json& j,
     }
   } else {
     m.intermediate = integer("intermediate_size", limits::intermediate);
+  }
+  // Biases. Qwen2 has q/k/v biases whatever the config says (its modeling code hard-codes
+  // them); for the others attention_bias would add them to o_proj as well, and mlp_bias to the
+  // MLP: layouts dte does not map.
+  if (*family == Family::qwen2) {
+    if (const auto it = j.find("attention_bias");
+        it != j.end() && !it->is_null() && !r.boolean(*it, "attention_bias")) {
+      fail(
+          "field 'attention_bias' is false, but Qwen2ForCausalLM always has q/k/v biases "
+          "(transformers and SGLang ignore the field); remove it or set it to true");
+    }
+  } else if (flag("attention_bias")) {
+    fail("field 'attention_bias' is true: " + m.architecture +
+         " would then have q/k/v and o_proj biases; dte maps biases only as Qwen2 has them "
+         "(q/k/v, no o_proj bias)");
+  }
+  for (const char* field : {"mlp_bias", "bias"}) {
+    if (flag(field)) {
+      fail("field '" + std::string(field) + "' is true: biases on the " +
+           (std::string(field) == "mlp_bias" ? "MLP" : "attention projections") +
+           " are not supported");
+    }
+  }
+  if (present("original_num_attention_heads")) {
+    fail(
+        "field 'original_num_attention_heads' is set (SGLang then derives head_dim from it); not "
+        "supported");
   }
   if (const auto it = j.find("tie_word_embeddings"); it != j.end()) {
     m.tie_word_embeddings = r.boolean(*it, "tie_word_embeddings");

@@ -50,8 +50,8 @@ inline CoverageReport check_coverage(const HfModel& hf, const SglangLayout& recv
     rep.exact = false;
   };
 
-  // 1. Canonical runs sent by the trainer ranks: one per local row (each row of every Megatron
-  //    parameter maps onto contiguous canonical elements), merged when they abut.
+  // 1. Canonical runs sent by the trainer ranks: one per piece the mapping calls contiguous (a
+  //    local row of a matrix, a head of the QKV bias), merged when they abut.
   std::vector<detail::CanonicalRun> sent;
   for (const TransferPlan& plan : plans) {
     for (BufferKind b : {BufferKind::dense, BufferKind::expert}) {
@@ -61,8 +61,7 @@ inline CoverageReport check_coverage(const HfModel& hf, const SglangLayout& recv
         const MegatronParam& p = plan.params()[static_cast<std::size_t>(s.param)];
         for (std::int64_t pos = 0; pos < s.length;) {
           const std::int64_t local = s.param_begin + pos;
-          const std::int64_t row_left = p.cols == 0 ? p.numel() - local : p.cols - local % p.cols;
-          const std::int64_t n = std::min(s.length - pos, row_left);
+          const std::int64_t n = std::min(s.length - pos, plan.mapping().contiguous(p, local));
           const Canonical c = plan.mapping()(p, local);
           if (c.tensor >= 0) {
             const std::int64_t g = hf[c.tensor].base + c.index;

@@ -48,19 +48,28 @@ struct BufferLayout {
 
 // Lays out `numels` (given in named_parameters() order, indices into the caller's list) the way
 // _ParamAndGradBuffer does. bucket_size 0: a single bucket (overlap_grad_reduce off, or pp > 0).
+// own_bucket[k] (Megatron's shared_embedding: tied embeddings with pp > 1) closes the bucket
+// before parameter k and puts k in a bucket of its own, whatever the bucket size.
 inline BufferLayout megatron_buffer_layout(const std::vector<std::int64_t>& param_ids,
                                            const std::vector<std::int64_t>& numels, std::int64_t dp,
-                                           std::int64_t bucket_size) {
+                                           std::int64_t bucket_size,
+                                           const std::vector<bool>& own_bucket = {}) {
   BufferLayout b;
   b.dp = dp;
   const std::int64_t pad = std::lcm<std::int64_t>(dp, 128);
   auto pad_end = [&](std::int64_t e) { return (e + pad - 1) / pad * pad; };
   std::int64_t cur = 0, bucket_start = 0;
   for (std::size_t k = param_ids.size(); k-- > 0;) {  // reverse order
-    const std::int64_t start = (cur + 63) / 64 * 64;
+    const bool own = k < own_bucket.size() && own_bucket[k];
+    std::int64_t start = (cur + 63) / 64 * 64;
+    if (own && start > bucket_start) {  // close the bucket of the parameters before it
+      const std::int64_t end = pad_end(start);
+      b.buckets.push_back({bucket_start, end});
+      bucket_start = start = end;
+    }
     b.params.push_back({param_ids[k], start, numels[k]});
     cur = start + numels[k];
-    if (bucket_size > 0 && cur - bucket_start >= bucket_size) {
+    if ((bucket_size > 0 && cur - bucket_start >= bucket_size) || own) {
       const std::int64_t end = pad_end(cur);
       b.buckets.push_back({bucket_start, end});
       bucket_start = cur = end;

@@ -1,9 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 // The HF canonical index space: every tensor of the on-disk HuggingFace checkpoint (per-expert
-// names for MoE), numbered in a fixed order, each element addressed as (tensor, flat index) and
-// globally as base(tensor) + flat index.
+// names for MoE; q/k/v biases and q/k norms where the family has them; no lm_head when the
+// embeddings are tied), numbered in a fixed order, each element addressed as (tensor, flat index)
+// and globally as base(tensor) + flat index.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -18,6 +20,9 @@ enum class HfKind : std::uint8_t {
   q,
   k,
   v,
+  q_bias,
+  k_bias,
+  v_bias,
   q_norm,
   k_norm,
   o,
@@ -52,12 +57,18 @@ struct HfTensor {
   [[nodiscard]] std::int64_t numel() const noexcept { return cols == 0 ? rows : rows * cols; }
 };
 
+inline constexpr std::size_t hf_kinds = static_cast<std::size_t>(HfKind::lm_head) + 1;
+
 class HfModel {
  public:
   explicit HfModel(const ModelSpec& m) : spec_(m) {
-    per_layer_ = m.moe() ? 9 + 3 * m.experts : 11;
+    per_layer_ = m.layer_tensors();
+    slot_.fill(-1);
     auto add = [&](HfKind kind, std::int64_t layer, std::int64_t expert, std::int64_t rows,
                    std::int64_t cols) {
+      if (layer <= 0 && expert <= 0) {
+        slot_[static_cast<std::size_t>(kind)] = static_cast<std::int32_t>(size());
+      }
       tensors_.push_back({kind, static_cast<std::int32_t>(layer), static_cast<std::int32_t>(expert),
                           rows, cols, total_});
       total_ += tensors_.back().numel();
@@ -69,8 +80,15 @@ class HfModel {
       add(HfKind::q, L, -1, m.q_rows(), H);
       add(HfKind::k, L, -1, m.kv_rows(), H);
       add(HfKind::v, L, -1, m.kv_rows(), H);
-      add(HfKind::q_norm, L, -1, m.head_dim, 0);
-      add(HfKind::k_norm, L, -1, m.head_dim, 0);
+      if (m.qkv_bias()) {
+        add(HfKind::q_bias, L, -1, m.q_rows(), 0);
+        add(HfKind::k_bias, L, -1, m.kv_rows(), 0);
+        add(HfKind::v_bias, L, -1, m.kv_rows(), 0);
+      }
+      if (m.qk_norm()) {
+        add(HfKind::q_norm, L, -1, m.head_dim, 0);
+        add(HfKind::k_norm, L, -1, m.head_dim, 0);
+      }
       add(HfKind::o, L, -1, H, m.q_rows());
       add(HfKind::post_norm, L, -1, H, 0);
       if (m.moe()) {
@@ -87,7 +105,7 @@ class HfModel {
       }
     }
     add(HfKind::final_norm, -1, -1, H, 0);
-    add(HfKind::lm_head, -1, -1, m.vocab, H);
+    if (!m.tied()) add(HfKind::lm_head, -1, -1, m.vocab, H);
   }
 
   [[nodiscard]] const ModelSpec& spec() const noexcept { return spec_; }
@@ -99,30 +117,27 @@ class HfModel {
   }
   [[nodiscard]] std::int64_t total() const noexcept { return total_; }
 
-  // O(1): the id of a tensor from its kind, layer and expert.
+  // Whether the model has tensors of this kind (q/k/v biases, q/k norms, lm_head, experts...).
+  [[nodiscard]] bool has(HfKind kind) const noexcept {
+    return slot_[static_cast<std::size_t>(kind)] >= 0;
+  }
+
+  // O(1): the id of a tensor from its kind, layer and expert. The kind must exist (has()); for
+  // tied embeddings lm_head does not, and its elements are embed's.
   [[nodiscard]] std::int64_t id(HfKind kind, std::int64_t layer = -1,
                                 std::int64_t expert = -1) const noexcept {
+    const std::int64_t slot = slot_[static_cast<std::size_t>(kind)];
     switch (kind) {
       case HfKind::embed:
-        return 0;
       case HfKind::final_norm:
-        return 1 + spec_.layers * per_layer_;
       case HfKind::lm_head:
-        return 2 + spec_.layers * per_layer_;
+        return slot;
       case HfKind::expert_gate:
       case HfKind::expert_up:
       case HfKind::expert_down:
-        return 1 + layer * per_layer_ + 9 + 3 * expert +
-               (static_cast<int>(kind) - static_cast<int>(HfKind::expert_gate));
-      case HfKind::gate:
-      case HfKind::up:
-      case HfKind::down:
-        return 1 + layer * per_layer_ + 8 +
-               (static_cast<int>(kind) - static_cast<int>(HfKind::gate));
-      case HfKind::router:
-        return 1 + layer * per_layer_ + 8;
+        return slot + layer * per_layer_ + 3 * expert;
       default:
-        return 1 + layer * per_layer_ + (static_cast<int>(kind) - 1);
+        return slot + layer * per_layer_;
     }
   }
 
@@ -140,6 +155,12 @@ class HfModel {
         return layer + "self_attn.k_proj.weight";
       case HfKind::v:
         return layer + "self_attn.v_proj.weight";
+      case HfKind::q_bias:
+        return layer + "self_attn.q_proj.bias";
+      case HfKind::k_bias:
+        return layer + "self_attn.k_proj.bias";
+      case HfKind::v_bias:
+        return layer + "self_attn.v_proj.bias";
       case HfKind::q_norm:
         return layer + "self_attn.q_norm.weight";
       case HfKind::k_norm:
@@ -179,6 +200,7 @@ class HfModel {
  private:
   ModelSpec spec_;
   std::vector<HfTensor> tensors_;
+  std::array<std::int32_t, hf_kinds> slot_{};  // id of the kind's first tensor (layer 0, expert 0)
   std::int64_t per_layer_ = 0;
   std::int64_t total_ = 0;
 };

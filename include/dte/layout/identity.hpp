@@ -45,6 +45,9 @@ class Identity {
     return {p.tensor, i};
   }
   [[nodiscard]] bool is_sender(const HfParam&) const noexcept { return true; }
+  [[nodiscard]] std::int64_t contiguous(const HfParam& p, std::int64_t i) const noexcept {
+    return p.numel() - i;
+  }
 };
 
 class IdentityPlan {

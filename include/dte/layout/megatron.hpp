@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // MegatronToHF: Megatron-Core's per-rank parameters (TE spec, TEGroupedMLP experts) and the map
 // from (parameter, flat index in the TP/EP-local tensor) to the HF canonical element, with its
-// inverse. Formulas: shared/LAYOUTS.md §3 and §5; docs/layouts.md has the tables.
+// inverse. Formulas: shared/LAYOUTS.md §3, §5 and §11 (biases, tied embeddings); docs/layouts.md
+// has the tables.
 #pragma once
 
 #include <cstdint>
@@ -20,6 +21,7 @@ enum class MegatronKind : std::uint8_t {
   embedding,     // embedding.word_embeddings.weight        [Vp/Tm, H]
   qkv_norm,      // self_attention.linear_qkv.layer_norm_weight [H]
   qkv,           // self_attention.linear_qkv.weight         [(nq+2ng)d/Tm, H]
+  qkv_bias,      // self_attention.linear_qkv.bias           [(nq+2ng)d/Tm] (add_qkv_bias)
   q_layernorm,   // self_attention.q_layernorm.weight        [d]
   k_layernorm,   // self_attention.k_layernorm.weight        [d]
   proj,          // self_attention.linear_proj.weight        [H, nq d/Tm]
@@ -31,7 +33,7 @@ enum class MegatronKind : std::uint8_t {
   expert_fc1,    // mlp.experts.linear_fc1.weight{j}         [2Fm/Te, H]
   expert_fc2,    // mlp.experts.linear_fc2.weight{j}         [H, Fm/Te]
   final_norm,    // decoder.final_layernorm.weight           [H]
-  output,        // output_layer.weight                      [Vp/Tm, H]
+  output,        // output_layer.weight                      [Vp/Tm, H] (tied: pp > 1 only)
 };
 
 // The coordinates of one trainer process (Megatron order tp-cp-ep-dp-pp, cp = 1).
@@ -66,6 +68,9 @@ struct MegatronParam {
   std::int32_t local_expert = -1;  // j in weight{j}
   std::int64_t rows = 0;
   std::int64_t cols = 0;  // 0 for 1-D
+  // Megatron's `shared_embedding` (tied embeddings with pp > 1: the first stage's embedding and
+  // the last stage's output layer): the distributed optimizer gives it a bucket of its own.
+  bool shared_embedding = false;
 
   [[nodiscard]] std::int64_t numel() const noexcept { return cols == 0 ? rows : rows * cols; }
   [[nodiscard]] bool is_expert() const noexcept {
@@ -86,6 +91,8 @@ struct MegatronParam {
         return l + "self_attention.linear_qkv.layer_norm_weight";
       case MegatronKind::qkv:
         return l + "self_attention.linear_qkv.weight";
+      case MegatronKind::qkv_bias:
+        return l + "self_attention.linear_qkv.bias";
       case MegatronKind::q_layernorm:
         return l + "self_attention.q_layernorm.weight";
       case MegatronKind::k_layernorm:
@@ -116,17 +123,21 @@ struct MegatronParam {
 };
 
 // Parameters of one rank in named_parameters() order (the distributed optimizer lays its
-// buffers out in the reverse of this order).
+// buffers out in the reverse of this order). TE's LayerNormLinear registers layer_norm_weight,
+// weight, bias in that order. Tied embeddings: with pp = 1 there is no output_layer.weight (the
+// logits use the embedding); with pp > 1 the last stage holds a copy (shared_embedding).
 inline std::vector<MegatronParam> megatron_params(const ModelSpec& m, const TrainTopology& t,
                                                   const TrainRank& r) {
   std::vector<MegatronParam> out;
   const std::int64_t H = m.hidden, Tm = t.tp, Te = t.etp;
   const std::int64_t Vp = t.padded_vocab(m.vocab);
+  const bool shared = m.tied() && t.pp > 1;
   auto add = [&](MegatronKind kind, std::int64_t layer, std::int64_t local_layer, std::int64_t rows,
                  std::int64_t cols, std::int64_t expert = -1, std::int64_t local_expert = -1) {
     out.push_back({kind, static_cast<std::int32_t>(layer), static_cast<std::int32_t>(local_layer),
                    static_cast<std::int32_t>(expert), static_cast<std::int32_t>(local_expert), rows,
-                   cols});
+                   cols,
+                   shared && (kind == MegatronKind::embedding || kind == MegatronKind::output)});
   };
   if (r.pp == 0) add(MegatronKind::embedding, -1, -1, Vp / Tm, H);
   const std::int64_t offset = t.stage_offset(r.pp, m.layers);
@@ -136,8 +147,11 @@ inline std::vector<MegatronParam> megatron_params(const ModelSpec& m, const Trai
     add(MegatronKind::proj, L, i, H, m.q_rows() / Tm);
     add(MegatronKind::qkv_norm, L, i, H, 0);
     add(MegatronKind::qkv, L, i, (m.q_rows() + 2 * m.kv_rows()) / Tm, H);
-    add(MegatronKind::q_layernorm, L, i, m.head_dim, 0);
-    add(MegatronKind::k_layernorm, L, i, m.head_dim, 0);
+    if (m.qkv_bias()) add(MegatronKind::qkv_bias, L, i, (m.q_rows() + 2 * m.kv_rows()) / Tm, 0);
+    if (m.qk_norm()) {
+      add(MegatronKind::q_layernorm, L, i, m.head_dim, 0);
+      add(MegatronKind::k_layernorm, L, i, m.head_dim, 0);
+    }
     if (m.moe()) {
       add(MegatronKind::pre_mlp_norm, L, i, H, 0);
       add(MegatronKind::router, L, i, m.experts, H);
@@ -156,14 +170,16 @@ inline std::vector<MegatronParam> megatron_params(const ModelSpec& m, const Trai
   }
   if (r.pp == t.pp - 1) {
     add(MegatronKind::final_norm, -1, -1, H, 0);
-    add(MegatronKind::output, -1, -1, Vp / Tm, H);
+    if (!m.tied() || t.pp > 1) add(MegatronKind::output, -1, -1, Vp / Tm, H);
   }
   return out;
 }
 
 // Megatron (TP/EP-local parameter, flat index) <-> HF canonical element, for one rank.
 // Replicated parameters (norms, router) map on every TP rank; is_sender() picks TP rank 0 so
-// that each canonical element has exactly one source.
+// that each canonical element has exactly one source. A tied model's output layer (pp > 1) maps
+// onto embed_tokens and never sends: the first stage's embedding does, and the copy, which
+// Megatron's optimizer keeps identical, is validated like a TP replica.
 class TransferPlan;
 
 class MegatronToHF {
@@ -174,12 +190,25 @@ class MegatronToHF {
   using canonical_type = Canonical;
 
   MegatronToHF(const HfModel& hf, const TrainTopology& t, const TrainRank& r)
-      : hf_(&hf), t_(t), r_(r), vp_(t.padded_vocab(hf.spec().vocab)) {}
+      : hf_(&hf), t_(t), r_(r), vp_(t.padded_vocab(hf.spec().vocab)), tied_(hf.spec().tied()) {}
 
   [[nodiscard]] const TrainRank& rank() const noexcept { return r_; }
 
   [[nodiscard]] bool is_sender(const MegatronParam& p) const noexcept {
+    if (p.kind == MegatronKind::output && tied_) return false;
     return replicated(p.kind) ? r_.tm == 0 : true;
+  }
+
+  // Elements from flat index i on whose canonical indices are consecutive: the rest of the
+  // local row of a matrix (each maps onto one HF row); the rest of a head's d entries of the
+  // QKV bias (its rows interleave q, k and v per group); the rest of any other 1-D parameter.
+  [[nodiscard]] std::int64_t contiguous(const MegatronParam& p, std::int64_t i) const noexcept {
+    if (p.cols != 0) return p.cols - i % p.cols;
+    if (p.kind == MegatronKind::qkv_bias) {
+      const std::int64_t d = hf_->spec().head_dim;
+      return d - (r_.tm * p.rows + i) % d;
+    }
+    return p.numel() - i;
   }
 
   static bool replicated(MegatronKind k) noexcept {
@@ -199,22 +228,31 @@ class MegatronToHF {
                   std::int64_t layer = -1, std::int64_t expert = -1) {
       return Canonical{hf_->id(k, layer, expert), hf_row * hf_cols + hf_col};
     };
+    // Row R of the unsharded, group-interleaved QKV (weight or bias): per group qpg q heads,
+    // then k, then v.
+    auto qkv_at = [&](bool bias, std::int64_t cols) {
+      const std::int64_t R = tm * ((m.q_rows() + 2 * m.kv_rows()) / Tm) + row;
+      const std::int64_t qpg = m.heads_per_group();
+      const std::int64_t G = (qpg + 2) * d;
+      const std::int64_t g = R / G, o = R % G, s = o / d, j = o % d;
+      if (s < qpg)
+        return at(bias ? HfKind::q_bias : HfKind::q, (g * qpg + s) * d + j, cols, col, p.layer);
+      const HfKind k =
+          s == qpg ? (bias ? HfKind::k_bias : HfKind::k) : (bias ? HfKind::v_bias : HfKind::v);
+      return at(k, g * d + j, cols, col, p.layer);
+    };
     switch (p.kind) {
       case MegatronKind::embedding:
       case MegatronKind::output: {
         const std::int64_t R = tm * (vp_ / Tm) + row;  // padded global row
         if (R >= m.vocab) return {};
-        return at(p.kind == MegatronKind::embedding ? HfKind::embed : HfKind::lm_head, R, H, col);
+        const bool embed = p.kind == MegatronKind::embedding || tied_;
+        return at(embed ? HfKind::embed : HfKind::lm_head, R, H, col);
       }
-      case MegatronKind::qkv: {
-        const std::int64_t rows_per_rank = (m.q_rows() + 2 * m.kv_rows()) / Tm;
-        const std::int64_t R = tm * rows_per_rank + row;
-        const std::int64_t qpg = m.heads_per_group();
-        const std::int64_t G = (qpg + 2) * d;
-        const std::int64_t g = R / G, o = R % G, s = o / d, j = o % d;
-        if (s < qpg) return at(HfKind::q, (g * qpg + s) * d + j, H, col, p.layer);
-        return at(s == qpg ? HfKind::k : HfKind::v, g * d + j, H, col, p.layer);
-      }
+      case MegatronKind::qkv:
+        return qkv_at(false, H);
+      case MegatronKind::qkv_bias:
+        return qkv_at(true, 1);
       case MegatronKind::proj: {
         const std::int64_t w = m.q_rows() / Tm;
         return at(HfKind::o, row, m.q_rows(), tm * w + col, p.layer);
@@ -261,6 +299,7 @@ class MegatronToHF {
   TrainTopology t_;
   TrainRank r_;
   std::int64_t vp_;
+  bool tied_;
 };
 
 static_assert(layout_mapping<MegatronToHF>);
@@ -301,19 +340,24 @@ inline MegatronSource megatron_source(const HfModel& hf, const TrainTopology& t,
     }
     case HfKind::q:
     case HfKind::k:
-    case HfKind::v: {
+    case HfKind::v:
+    case HfKind::q_bias:
+    case HfKind::k_bias:
+    case HfKind::v_bias: {
+      const bool bias = x.cols == 0;
       const std::int64_t qpg = m.heads_per_group(), G = (qpg + 2) * d;
       std::int64_t R;
-      if (x.kind == HfKind::q) {
+      if (x.kind == HfKind::q || x.kind == HfKind::q_bias) {
         const std::int64_t h = row / d, j = row % d;
         R = (h / qpg) * G + (h % qpg) * d + j;
       } else {
-        R = (row / d) * G + (x.kind == HfKind::k ? qpg : qpg + 1) * d + row % d;
+        const bool k = x.kind == HfKind::k || x.kind == HfKind::k_bias;
+        R = (row / d) * G + (k ? qpg : qpg + 1) * d + row % d;
       }
       const std::int64_t per = (m.q_rows() + 2 * m.kv_rows()) / Tm;
-      s.kind = MegatronKind::qkv;
+      s.kind = bias ? MegatronKind::qkv_bias : MegatronKind::qkv;
       s.tm = R / per;
-      s.index = (R % per) * H + col;
+      s.index = bias ? R % per : (R % per) * H + col;
       return s;
     }
     case HfKind::o: {

@@ -32,16 +32,18 @@ inline RankBuffers megatron_rank_buffers(const std::vector<MegatronParam>& param
   for (BufferKind kind : {BufferKind::dense, BufferKind::expert}) {
     const bool expert = kind == BufferKind::expert;
     std::vector<std::int64_t> ids, numels;
+    std::vector<bool> own_bucket;
     for (std::size_t i = 0; i < params.size(); ++i) {
       if (params[i].is_expert() == expert) {
         ids.push_back(static_cast<std::int64_t>(i));
         numels.push_back(params[i].numel());
+        own_bucket.push_back(params[i].shared_embedding);
       }
     }
     // Megatron uses a single bucket on every pipeline stage but the first.
     const int k = static_cast<int>(kind);
-    out.layout[k] =
-        megatron_buffer_layout(ids, numels, expert ? t.edp() : t.dp, r.pp > 0 ? 0 : t.bucket_size);
+    out.layout[k] = megatron_buffer_layout(ids, numels, expert ? t.edp() : t.dp,
+                                           r.pp > 0 ? 0 : t.bucket_size, own_bucket);
     out.owned[k] = out.layout[k].owned(expert ? r.edp : r.dp);
   }
   return out;

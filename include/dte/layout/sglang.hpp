@@ -1,12 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
-// The SGLang/vLLM receiver layout: per-TP-rank tensors (fused qkv_proj with KV replication when
-// TP > KV heads, gate_up_proj, row-parallel o_proj/down_proj, vocab-parallel embed_tokens and
-// lm_head without Megatron's padding, FusedMoE w13/w2 under EP and MoE-TP), the map from an HF
-// canonical element to every (TP rank, tensor, local index) holding it, and its inverse.
-// Formulas: shared/LAYOUTS.md §5 and §6; tables in docs/layouts.md.
+// The SGLang/vLLM receiver layout: per-TP-rank tensors (fused qkv_proj and its bias with KV
+// replication when TP > KV heads, gate_up_proj, row-parallel o_proj/down_proj, vocab-parallel
+// embed_tokens and lm_head without Megatron's padding, one tensor for both when tied, FusedMoE
+// w13/w2 under EP and MoE-TP), the map from an HF canonical element to every (TP rank, tensor,
+// local index) holding it, and its inverse.
+// Formulas: shared/LAYOUTS.md §5, §6 and §11; tables in docs/layouts.md.
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -22,6 +24,7 @@ enum class ReceiverKind : std::uint8_t {
   embed,
   input_norm,
   qkv,
+  qkv_bias,
   o,
   q_norm,
   k_norm,
@@ -34,6 +37,8 @@ enum class ReceiverKind : std::uint8_t {
   final_norm,
   lm_head,
 };
+
+inline constexpr std::size_t receiver_kinds = static_cast<std::size_t>(ReceiverKind::lm_head) + 1;
 
 struct ReceiverTensor {
   ReceiverKind kind;
@@ -57,8 +62,9 @@ class SglangLayout {
     vs_ = InferTopology::padded_vocab(m.vocab);
     nkl_ = std::max<std::int64_t>(1, m.kv_heads / Ts);
     rep_ = std::max<std::int64_t>(1, Ts / m.kv_heads);
-    per_layer_ = m.moe() ? 9 : 8;
+    slot_.fill(-1);
     auto add = [&](ReceiverKind k, std::int64_t layer, std::vector<std::int64_t> shape) {
+      if (layer <= 0) slot_[static_cast<std::size_t>(k)] = static_cast<std::int32_t>(size());
       std::int64_t n = 1;
       for (std::int64_t s : shape)
         n = checked_mul(n, s, "receiver tensor elements");
@@ -75,9 +81,12 @@ class SglangLayout {
     for (std::int64_t L = 0; L < m.layers; ++L) {
       add(ReceiverKind::input_norm, L, {H});
       add(ReceiverKind::qkv, L, {(m.heads / Ts + 2 * nkl_) * m.head_dim, H});
+      if (m.qkv_bias()) add(ReceiverKind::qkv_bias, L, {(m.heads / Ts + 2 * nkl_) * m.head_dim});
       add(ReceiverKind::o, L, {H, m.q_rows() / Ts});
-      add(ReceiverKind::q_norm, L, {m.head_dim});
-      add(ReceiverKind::k_norm, L, {m.head_dim});
+      if (m.qk_norm()) {
+        add(ReceiverKind::q_norm, L, {m.head_dim});
+        add(ReceiverKind::k_norm, L, {m.head_dim});
+      }
       add(ReceiverKind::post_norm, L, {H});
       if (m.moe()) {
         const std::int64_t Ms = t.moe_tp(), El = m.experts / t.ep;
@@ -90,7 +99,8 @@ class SglangLayout {
       }
     }
     add(ReceiverKind::final_norm, -1, {H});
-    add(ReceiverKind::lm_head, -1, {vs_ / Ts, H});
+    if (!m.tied()) add(ReceiverKind::lm_head, -1, {vs_ / Ts, H});  // tied: lm_head = embed_tokens
+    per_layer_ = (size() - (m.tied() ? 2 : 3)) / m.layers;
   }
 
   [[nodiscard]] const InferTopology& topology() const noexcept { return t_; }
@@ -101,16 +111,10 @@ class SglangLayout {
     return tensors_[static_cast<std::size_t>(id)];
   }
 
+  // O(1): the id of a tensor from its kind and layer. The kind must exist in this model.
   [[nodiscard]] std::int64_t id(ReceiverKind k, std::int64_t layer = -1) const noexcept {
-    const std::int64_t layers = hf_->spec().layers;
-    if (k == ReceiverKind::embed) return 0;
-    if (k == ReceiverKind::final_norm) return 1 + layers * per_layer_;
-    if (k == ReceiverKind::lm_head) return 2 + layers * per_layer_;
-    std::int64_t slot = static_cast<std::int64_t>(k) - 1;  // input_norm..down
-    if (k == ReceiverKind::router) slot = 6;
-    if (k == ReceiverKind::w13) slot = 7;
-    if (k == ReceiverKind::w2) slot = 8;
-    return 1 + layer * per_layer_ + slot;
+    const std::int64_t slot = slot_[static_cast<std::size_t>(k)];
+    return layer < 0 ? slot : slot + layer * per_layer_;
   }
 
   // SGLang parameter name (global layer index), as load_format="direct" expects it.
@@ -124,6 +128,8 @@ class SglangLayout {
         return l + "input_layernorm.weight";
       case ReceiverKind::qkv:
         return l + "self_attn.qkv_proj.weight";
+      case ReceiverKind::qkv_bias:
+        return l + "self_attn.qkv_proj.bias";
       case ReceiverKind::o:
         return l + "self_attn.o_proj.weight";
       case ReceiverKind::q_norm:
@@ -169,19 +175,25 @@ class SglangLayout {
             (row % per) * H + col});
         return;
       }
-      case HfKind::q: {
-        const std::int64_t per = m.q_rows() / Ts;
-        emit(ReceiverElement{row / per, id(ReceiverKind::qkv, L), (row % per) * H + col});
+      case HfKind::q:
+      case HfKind::q_bias: {
+        // The bias is the weight with one column: same rows, same shards.
+        const std::int64_t per = m.q_rows() / Ts, cols = x.cols == 0 ? 1 : H;
+        const ReceiverKind k = x.cols == 0 ? ReceiverKind::qkv_bias : ReceiverKind::qkv;
+        emit(ReceiverElement{row / per, id(k, L), (row % per) * cols + col});
         return;
       }
       case HfKind::k:
-      case HfKind::v: {
-        const std::int64_t block = nkl_ * d;
+      case HfKind::v:
+      case HfKind::k_bias:
+      case HfKind::v_bias: {
+        const std::int64_t block = nkl_ * d, cols = x.cols == 0 ? 1 : H;
+        const bool v = x.kind == HfKind::v || x.kind == HfKind::v_bias;
+        const ReceiverKind k = x.cols == 0 ? ReceiverKind::qkv_bias : ReceiverKind::qkv;
         const std::int64_t first = (row / block) * rep_;
-        const std::int64_t local_row =
-            m.q_rows() / Ts + (x.kind == HfKind::v ? block : 0) + row % block;
+        const std::int64_t local_row = m.q_rows() / Ts + (v ? block : 0) + row % block;
         for (std::int64_t ts = first; ts < first + rep_; ++ts) {
-          emit(ReceiverElement{ts, id(ReceiverKind::qkv, L), local_row * H + col});
+          emit(ReceiverElement{ts, id(k, L), local_row * cols + col});
         }
         return;
       }
@@ -243,6 +255,8 @@ class SglangLayout {
     switch (k) {
       case HfKind::k:
       case HfKind::v:
+      case HfKind::k_bias:
+      case HfKind::v_bias:
         return rep_;
       case HfKind::input_norm:
       case HfKind::q_norm:
@@ -272,6 +286,11 @@ class SglangLayout {
       case HfKind::k:
       case HfKind::v:
         return to_block_end(nkl_ * m.head_dim * H);
+      case HfKind::q_bias:
+        return to_block_end(m.q_rows() / Ts);
+      case HfKind::k_bias:
+      case HfKind::v_bias:
+        return to_block_end(nkl_ * m.head_dim);
       case HfKind::gate:
       case HfKind::up:
         return to_block_end((m.intermediate / Ts) * H);
@@ -304,13 +323,18 @@ class SglangLayout {
         return {hf_->id(x.kind == ReceiverKind::embed ? HfKind::embed : HfKind::lm_head),
                 r * H + e.index % H};
       }
-      case ReceiverKind::qkv: {
-        const std::int64_t row = e.index / H, col = e.index % H;
+      case ReceiverKind::qkv:
+      case ReceiverKind::qkv_bias: {
+        const bool bias = x.kind == ReceiverKind::qkv_bias;
+        const std::int64_t w = bias ? 1 : H, row = e.index / w, col = e.index % w;
         const std::int64_t q_local = m.q_rows() / Ts, block = nkl_ * d;
-        if (row < q_local) return {hf_->id(HfKind::q, L), (ts * q_local + row) * H + col};
+        if (row < q_local) {
+          return {hf_->id(bias ? HfKind::q_bias : HfKind::q, L), (ts * q_local + row) * w + col};
+        }
         const std::int64_t kv = row - q_local;
-        const HfKind k = kv < block ? HfKind::k : HfKind::v;
-        return {hf_->id(k, L), ((ts / rep_) * block + kv % block) * H + col};
+        const HfKind k =
+            kv < block ? (bias ? HfKind::k_bias : HfKind::k) : (bias ? HfKind::v_bias : HfKind::v);
+        return {hf_->id(k, L), ((ts / rep_) * block + kv % block) * w + col};
       }
       case ReceiverKind::o:
       case ReceiverKind::down: {
@@ -376,8 +400,9 @@ class SglangLayout {
  private:
   const HfModel* hf_;
   InferTopology t_;
-  std::int64_t vs_ = 0, nkl_ = 1, rep_ = 1, per_layer_ = 8;
+  std::int64_t vs_ = 0, nkl_ = 1, rep_ = 1, per_layer_ = 0;
   std::vector<ReceiverTensor> tensors_;
+  std::array<std::int32_t, receiver_kinds> slot_{};  // id of the kind's first tensor (layer 0)
 };
 
 }  // namespace dte::layout

@@ -54,8 +54,7 @@ class RunTable {
         const auto& p = plan.params()[static_cast<std::size_t>(s.param)];
         for (std::int64_t pos = 0; pos < s.length;) {
           const std::int64_t local = s.param_begin + pos;
-          const std::int64_t row_left = p.cols == 0 ? p.numel() - local : p.cols - local % p.cols;
-          std::int64_t n = std::min(s.length - pos, row_left);
+          std::int64_t n = std::min(s.length - pos, plan.mapping().contiguous(p, local));
           const layout::Canonical c = plan.mapping()(p, local);
           Run r{s.shard_begin + pos, n, static_cast<std::int32_t>(si), -1, 0, 0, 0, s.sender};
           if (c.tensor >= 0) {

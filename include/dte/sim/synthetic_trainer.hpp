@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // SyntheticTrainer: a Megatron-style trainer without a model forward pass, for tests, examples and
 // benchmarks. It runs AdamW (torch.optim.AdamW order, FP32) with a warmup + cosine schedule and
-// global-norm clipping on a Qwen3-shaped model sharded as a TrainTopology says, and every rank
-// owns exactly the distributed-optimizer shards its TransferPlan describes.
+// global-norm clipping on a decoder model (any family dte maps) sharded as a TrainTopology says,
+// and every rank owns exactly the distributed-optimizer shards its TransferPlan describes.
 //
 // Weights at initialisation and gradients are pure functions of (seed, canonical element, step),
 // from a counter-based hash (splitmix64), never of the topology: two trainers of the same model
@@ -359,7 +359,10 @@ class SyntheticTrainer {
     const layout::HfTensor& x = (*hf_)[e.tensor];
     const double z = detail::normal(detail::stream_key(
         cfg_.seed, detail::Stream::init, static_cast<std::uint64_t>(x.base + e.index), 0));
-    return static_cast<float>((x.cols == 0 ? 1.0 : 0.0) + 0.02 * z);
+    // Norms start near 1, matrices and biases near 0.
+    const bool bias = x.kind == layout::HfKind::q_bias || x.kind == layout::HfKind::k_bias ||
+                      x.kind == layout::HfKind::v_bias;
+    return static_cast<float>((x.cols == 0 && !bias ? 1.0 : 0.0) + 0.02 * z);
   }
   [[nodiscard]] float gradient(layout::Canonical e, std::int64_t t, double step_factor) const {
     const layout::HfTensor& x = (*hf_)[e.tensor];

@@ -77,6 +77,15 @@ class LoopbackWorld {
     keep_history_ = on;
     if (!on) history_.clear();
   }
+  // What sender s delivered to receiver d (0-based among the receivers) in the last exchange,
+  // as one buffer; kept only with keep_history(true), empty otherwise. For tests that audit
+  // the messages themselves.
+  [[nodiscard]] Bytes last_payload(int s, int d) const {
+    std::lock_guard lock(mutex_);
+    if (static_cast<std::size_t>(s) >= history_.size()) return {};
+    return history_[static_cast<std::size_t>(s)].at(static_cast<std::size_t>(d));
+  }
+
   // The last exchange (complete once every rank returned from it).
   [[nodiscard]] ExchangeStats last_stats() const {
     std::lock_guard lock(mutex_);
