@@ -183,6 +183,15 @@ int simulate_storage(const SimulateOptions& o) {
   if (o.dir.empty())
     throw invalid_argument("--transport storage needs --dir DIR (the storage root)");
   if (o.reader_lag < 0) throw invalid_argument("--reader-lag must be >= 0");
+  // The simulation checks every reader against its own trainer's history from version 1: an
+  // earlier run's versions would be continued (as a restarted trainer does) and compared with
+  // the wrong weights.
+  if (std::error_code ec; std::filesystem::exists(std::filesystem::path(o.dir) / "LATEST", ec)) {
+    throw invalid_argument("--dir " + o.dir +
+                           " already holds published versions (an earlier run); dte simulate "
+                           "checks its readers from version 1 on: give it an empty or new "
+                           "directory");
+  }
   Simulation s(o);
   storage::PublisherConfig cfg;
   cfg.anchor_every = o.anchor_every;
@@ -199,6 +208,11 @@ int simulate_storage(const SimulateOptions& o) {
   if (o.reader_lag > 0) {
     lagging = std::make_unique<sim::OwnedReader>(s.hf, s.recv, o.dir, all,
                                                  storage::ReaderConfig{.name = "lagging"});
+    // It holds nothing yet but will start at version 1, L versions behind the writers:
+    // registered there up front, so retention keeps the chain from the first anchor until it
+    // has read (with anchors more often than every L + 1 versions its first target would
+    // otherwise be collected before it asks for it).
+    storage::register_reader(o.dir, "lagging", 1);
   }
   const bool check = s.infer.ranks() * s.recv.live_elements(0) <= kDenseCheckLimit;
   std::deque<std::pair<Version, std::vector<float>>> history;  // the lagging reader's targets
