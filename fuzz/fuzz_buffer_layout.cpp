@@ -22,7 +22,7 @@ const Target& target(bool moe) {
   static const Target dense{dte::layout::HfModel(dte::layout::model_preset("tiny-qwen3")),
                             dte::layout::parse_train_topology("tp=2")};
   static const Target experts{dte::layout::HfModel(dte::layout::model_preset("tiny-qwen3-moe")),
-                              dte::layout::parse_train_topology("tp=2,ep=2")};
+                              dte::layout::parse_train_topology("tp=2,ep=2,etp=1")};
   return moe ? experts : dense;
 }
 

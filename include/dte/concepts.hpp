@@ -60,8 +60,9 @@ concept change_detector = requires {
 
 // Maps a trainer parameter element to its canonical (HF) element, per trainer rank:
 //   l(param, flat_index) -> L::canonical_type, l.is_sender(param) -> bool (one source per
-//   canonical element when parameters are replicated); L::plan_type is the transfer_plan it
-//   brings (built once per trainer rank).
+//   canonical element when parameters are replicated), l.contiguous(param, flat_index) -> how
+//   far the canonical index keeps advancing by one; L::plan_type is the transfer_plan it brings
+//   (built once per trainer rank).
 template <class L>
 concept layout_mapping = requires {
   typename L::layout_mapping_tag;

@@ -21,6 +21,7 @@
 #include "dte/detect/detect.hpp"
 #include "dte/engine/engine.hpp"
 #include "dte/engine/wire.hpp"
+#include "dte/layout/stack.hpp"
 #include "dte/numeric/round.hpp"
 #include "dte/optim/adam.hpp"
 #include "dte/sim/access.hpp"
@@ -29,6 +30,7 @@
 
 using namespace dte;
 using namespace dte::layout;
+using doctest::Contains;
 
 namespace {
 
@@ -211,6 +213,53 @@ TEST_CASE("a tied model: each embedding change reaches a receiver once, not twic
     CHECK(golden_mismatches(hf, recv, trainer, engine) == 0);
   }
   CHECK(changed_total > 0);  // the embedding did change: the check above saw real writes
+}
+
+TEST_CASE("a trainer whose real layout is not dte's topology is refused before anything is sent") {
+  // The trainer follows mbridge's defaults (vocabulary not padded), dte is given Megatron-LM's
+  // (padded to a multiple of 128 x tp), and the other way round, and an expert split (etp)
+  // that differs: the first publication is refused on every rank, naming the parameter, the
+  // rank, both shapes and the cause; the receivers are untouched.
+  struct Case {
+    const char* model;
+    const char* trainer_stack;
+    const char* dte_stack;
+    const char* train;
+    const char* expect;
+    const char* cause;
+  };
+  for (const Case& c :
+       {Case{"tiny-qwen3", "mbridge", "megatron-lm", "tp=2,dp=2",
+             "embedding.word_embeddings.weight as [150, 32] where dte's plan expects [256, 32]",
+             "the vocabulary not padded"},
+        Case{"tiny-qwen3-tied", "megatron-lm", "mbridge", "tp=2,pp=2",
+             "embedding.word_embeddings.weight as [256, 32] where dte's plan expects [150, 32]",
+             "the vocabulary padded to a multiple of 128 x tp"},
+        Case{"tiny-qwen3-moe", "areal", "mbridge", "tp=2,ep=2,dp=2",
+             "mlp.experts.linear_fc1.weight0 as [32, 32] where dte's plan expects [16, 32]",
+             "etp=1"}}) {
+    CAPTURE(c.model);
+    const HfModel hf(model_preset(c.model));
+    TrainTopology real = parse_train_topology(c.train), assumed = real;
+    apply_stack(real, parse_stack(c.trainer_stack));
+    apply_stack(assumed, parse_stack(c.dte_stack));
+    const SglangLayout recv(hf, parse_infer_topology("tp=2"));
+    sim::SyntheticTrainer trainer(hf, real, recv, lively());
+    const sim::AdamWAccess access{&trainer};
+    Cluster engine(hf, assumed, recv, {.publish_every = 1});
+    const Version before = engine.receivers().front()->version();
+    CHECK_THROWS_WITH_AS(engine.publish_full(access), Contains(c.expect), dte::invalid_argument);
+    CHECK_THROWS_WITH_AS(engine.publish_full(access), Contains(c.cause), dte::invalid_argument);
+    for (const Receiver* r : engine.receivers()) {
+      CHECK(r->version() == before);
+      for (std::int64_t k = 0; k < recv.size(); ++k)
+        for (std::uint16_t x : r->tensor(k))
+          REQUIRE(x == 0);
+    }
+    // With the trainer's own topology it publishes.
+    Cluster right(hf, real, recv, {.publish_every = 1});
+    CHECK(right.publish_full(access).verified);
+  }
 }
 
 namespace {

@@ -36,7 +36,7 @@ TEST_CASE("tiny-qwen3-moe: exact coverage over the topology grid") {
 
 TEST_CASE("bucketed buffers and an explicit pipeline split keep coverage exact") {
   const ModelSpec m = model_preset("tiny-qwen3-moe");
-  TrainTopology t = parse_train_topology("tp=2,pp=2,ep=2,dp=3,split=3:1,bucket=5000");
+  TrainTopology t = parse_train_topology("tp=2,pp=2,ep=2,etp=1,dp=3,split=3:1,bucket=5000");
   CHECK(t.layer_split == std::vector<std::int64_t>{3, 1});
   CHECK(check_combo(m, t, parse_infer_topology("tp=4,ep=2,replicas=2")));
   const ModelSpec d = model_preset("tiny-qwen3");

@@ -102,7 +102,9 @@ TEST_CASE("topologies that cannot work are refused, naming the field and the val
                        Contains("moe_intermediate_size (16) is not divisible by etp (32)"),
                        dte::invalid_argument);
   CHECK_THROWS_WITH_AS(validate(moe, parse_train_topology("tp=1,dp=2,ep=4")),
-                       Contains("tp*dp (2) is not divisible by etp*ep (4)"), dte::invalid_argument);
+                       Contains("tp*dp (2) is not divisible by etp (unset: = tp, Megatron-Core's "
+                                "default)*ep (4)"),
+                       dte::invalid_argument);
   CHECK_THROWS_WITH_AS(validate(dense, parse_train_topology("ep=2")), Contains("has no experts"),
                        dte::invalid_argument);
   CHECK_THROWS_WITH_AS(validate(dense, parse_infer_topology("tp=3")),

@@ -116,7 +116,7 @@ TEST_CASE("canonical weights are bit-identical across trainer topologies") {
   const Case cases[] = {
       {"tiny-qwen3-moe",
        "tp=1",
-       {"tp=2,pp=2,ep=2,dp=2", "tp=2,pp=2,ep=2,etp=2,dp=2", "tp=4,ep=4,bucket=1000"}},
+       {"tp=2,pp=2,ep=2,etp=1,dp=2", "tp=2,pp=2,ep=2,etp=2,dp=2", "tp=4,ep=4,etp=1,bucket=1000"}},
       {"tiny-qwen3", "tp=1", {"tp=2,pp=2,dp=2", "tp=1,dp=3", "tp=4,pp=2,bucket=500"}},
   };
   SyntheticConfig cfg;

@@ -276,7 +276,7 @@ TEST_CASE("dte plan: JSON report with exact coverage") {
 
 TEST_CASE("dte plan: a config.json gives the same plan as the preset") {
   const std::string cfg = write_text("tiny-moe-config.json", kTinyMoeConfig);
-  const std::string args = " --train tp=4,ep=4 --infer tp=8,ep=2 --json";
+  const std::string args = " --train tp=4,ep=4,etp=1 --infer tp=8,ep=2 --json";
   auto a = nlohmann::json::parse(run_dte("plan --model " + cfg + args).output);
   auto b = nlohmann::json::parse(run_dte("plan --model tiny-qwen3-moe" + args).output);
   for (const char* k : {"coverage_exact", "source_elements", "canonical_elements",
@@ -295,7 +295,7 @@ TEST_CASE("dte plan: topologies and configs that cannot work are refused (exit 2
   refused("--model tiny-qwen3-moe --train tp=2,ep=3", "num_experts (8) is not divisible by ep (3)");
   refused("--model tiny-qwen3 --train tp=1 --infer tp=16",
           "num_attention_heads (8) is not divisible by tp (16)");
-  refused("--model qwen3-30b-a3b --train tp=4,ep=8,dp=2 --infer tp=8,ep=3",
+  refused("--model qwen3-30b-a3b --train tp=4,ep=8,etp=1,dp=2 --infer tp=8,ep=3",
           "tp (8) is not divisible by ep (3)");
   refused("--model mistral --train tp=1", "unknown model preset 'mistral'");
   std::string no_kv = kTinyMoeConfig;
@@ -355,7 +355,18 @@ TEST_CASE("dte plan: a dumped buffer layout is read back, checked and used") {
     j["ranks"][0]["buffers"]["dense"]["params"][0]["shape"] = {1, 1};
     const Run r = run_dte("plan" + topo + " --buffer-layout " + write_text("shape.json", j.dump()));
     CHECK(r.status == 2);
-    CHECK_MESSAGE(r.output.find("but the model says") != std::string::npos, r.output);
+    CHECK_MESSAGE(r.output.find("but dte's plan for --train says") != std::string::npos, r.output);
+  }
+  SUBCASE("a layout dumped by an mbridge trainer, read with Megatron-LM's defaults: the cause") {
+    const std::string mb = (temp_dir() / "layout-mbridge.json").string();
+    REQUIRE(run_dte("plan" + topo + " --stack mbridge --write-buffer-layout " + mb).status == 0);
+    const Run r = run_dte("plan" + topo + " --buffer-layout " + mb);
+    CHECK(r.status == 2);
+    CHECK_MESSAGE(r.output.find("has shape [150,32] but dte's plan for --train says [256,32]; "
+                                "likely cause: the trainer's shapes match the vocabulary not "
+                                "padded") != std::string::npos,
+                  r.output);
+    CHECK(run_dte("plan" + topo + " --stack mbridge --buffer-layout " + mb).status == 0);
   }
   SUBCASE("overlapping parameters are refused, exit 2") {
     nlohmann::json j = layout;

@@ -18,5 +18,6 @@ void register_simulate(CLI::App& app, int& status);
 void register_bench(CLI::App& app, int& status);
 void register_bench_compare(CLI::App& bench, int& status);  // with storage: `dte bench compare`
 void register_storage(CLI::App& app, int& status);          // inspect, verify
+void register_verify_start(CLI::App& app, int& status);
 
 }  // namespace dte::tool

@@ -16,6 +16,7 @@ int main(int argc, char** argv) {
   dte::tool::register_simulate(app, status);
   dte::tool::register_bench(app, status);
   dte::tool::register_storage(app, status);
+  dte::tool::register_verify_start(app, status);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -14,6 +14,7 @@
 #include "dte/io/model_config.hpp"
 #include "dte/layout/coverage.hpp"
 #include "dte/layout/plan.hpp"
+#include "layout_settings.hpp"
 
 namespace dte::tool {
 
@@ -69,17 +70,18 @@ void register_plan(CLI::App& app, int& status) {
       "plan",
       "Build and validate the transfer plans from Megatron trainer ranks to SGLang receivers");
   struct Options {
-    std::string model, train, infer = "tp=1", dump, layout_in, layout_out;
+    std::string model, train, infer = "tp=1", dump, layout_in, layout_out, stack = "megatron-lm";
     bool json = false;
   };
   auto o = std::make_shared<Options>();
   cmd->add_option("--model", o->model,
-                  "preset (qwen3-8b, qwen3-30b-a3b, tiny-qwen3, tiny-qwen3-moe) or config.json")
+                  "a preset (qwen3-8b, qwen2.5-7b, llama-3.1-8b, ...) or config.json")
       ->required();
-  cmd->add_option(
-         "--train", o->train,
-         "trainer topology: tp=,pp=,ep=,etp=,dp=[,split=a:b:...][,bucket=N][,vocab_div=128]")
+  cmd->add_option("--train", o->train,
+                  "trainer topology: tp=,pp=,ep=,etp=,dp=[,split=a:b:...][,bucket=N]"
+                  "[,vocab_div=128|none]")
       ->required();
+  cmd->add_option("--stack", o->stack, stack_help)->capture_default_str();
   cmd->add_option("--infer", o->infer,
                   "receiver topology: tp=,ep=,replicas= (SGLang), or hf for the plain unsharded HF "
                   "layout (storage)")
@@ -94,7 +96,7 @@ void register_plan(CLI::App& app, int& status) {
                   "write the buffer layout dte assumes for this topology (same JSON format)");
   cmd->callback([o, &status] {
     const ModelSpec m = io::load_model(o->model);
-    const TrainTopology train = parse_train_topology(o->train);
+    const TrainTopology train = train_topology(o->train, o->stack);
     const bool to_hf = o->infer == "hf";
     const InferTopology infer = to_hf ? InferTopology{} : parse_infer_topology(o->infer);
     validate(m, train);
@@ -145,6 +147,7 @@ void register_plan(CLI::App& app, int& status) {
       j["model"] = m.name;
       j["architecture"] = m.architecture;
       j["structure"] = m.structure();
+      j["layout_settings"] = layout_settings_json(m, train, o->stack);
       j["train"] = o->train;
       j["infer"] = o->infer;
       j["trainer_ranks"] = train.world();
@@ -169,6 +172,7 @@ void register_plan(CLI::App& app, int& status) {
                 o->train.c_str(), static_cast<long long>(train.world()), o->infer.c_str(),
                 static_cast<long long>(infer.ranks()));
     std::printf("  model               %s\n", m.structure().c_str());
+    print_layout_settings(m, train, o->stack);
     std::printf("  source elements     %lld (optimizer shards, %lld carry a canonical element)\n",
                 static_cast<long long>(cov.source_elements),
                 static_cast<long long>(cov.sender_elements));

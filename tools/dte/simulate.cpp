@@ -15,6 +15,8 @@
 #include "dte/optim/validate.hpp"
 #include "dte/sim/cluster.hpp"
 #include "dte/sim/dense_check.hpp"
+#include "dte/sim/start_checkpoint.hpp"
+#include "layout_settings.hpp"
 #include "simulate.hpp"
 #include "simulate_driver.hpp"
 
@@ -61,6 +63,16 @@ void register_simulate(CLI::App& app, int& status) {
   auto o = std::make_shared<SimulateOptions>();
   cmd->add_option("--model", o->model, "preset or config.json")->capture_default_str();
   cmd->add_option("--train", o->train, "trainer topology (as dte plan)")->capture_default_str();
+  cmd->add_option("--stack", o->stack, stack_help)->capture_default_str();
+  cmd->add_option(
+      "--write-start-checkpoint", o->start_checkpoint,
+      "write the synthetic model's initial weights as an HF checkpoint directory (BF16, "
+      "with model.safetensors.index.json), for dte verify-start");
+  cmd->add_option(
+      "--checkpoint-train", o->checkpoint_train,
+      "write it as a converter assuming this trainer topology would (default: --train)");
+  cmd->add_option("--checkpoint-stack", o->checkpoint_stack,
+                  "... and this stack's defaults (default: --stack)");
   cmd->add_option("--infer", o->infer, "receiver topology (as dte plan)")->capture_default_str();
   cmd->add_option("--steps", o->steps, "optimizer steps")
       ->capture_default_str()
@@ -110,6 +122,9 @@ void register_simulate(CLI::App& app, int& status) {
       ->capture_default_str()
       ->check(CLI::Range(1, 19));
   cmd->callback([o, &status] {
+    if (!o->start_checkpoint.empty() && o->transport != "loopback") {
+      throw invalid_argument("--write-start-checkpoint is for --transport loopback");
+    }
     if (o->transport == "storage") {
       status = simulate_storage(*o);
       return;
@@ -119,6 +134,13 @@ void register_simulate(CLI::App& app, int& status) {
       return;
     }
     Simulation s(*o);
+    if (!o->start_checkpoint.empty()) {
+      const layout::TrainTopology assumed =
+          train_topology(o->checkpoint_train.empty() ? o->train : o->checkpoint_train,
+                         o->checkpoint_stack.empty() ? o->stack : o->checkpoint_stack);
+      layout::validate(s.spec, assumed);
+      sim::write_start_checkpoint(s.trainer, s.hf, s.train, assumed, o->start_checkpoint);
+    }
     LoopbackRunner runner(*o, s);
     status = run_simulation(*o, s, runner);
   });

@@ -9,6 +9,9 @@ namespace dte::tool {
 
 struct SimulateOptions {
   std::string model = "small-qwen3", train = "tp=2,dp=2", infer = "tp=4,replicas=2", dump;
+  std::string stack = "megatron-lm";
+  // the checkpoint the run "started from", as a converter assuming this topology wrote it
+  std::string start_checkpoint, checkpoint_train, checkpoint_stack;
   std::int64_t steps = 50, publish_every = 1, warmup = -1;
   double lr = 1e-6;
   std::uint64_t seed = 0;

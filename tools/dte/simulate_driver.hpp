@@ -29,6 +29,7 @@
 #include "dte/io/safetensors.hpp"
 #include "dte/sim/access.hpp"
 #include "dte/sim/synthetic_trainer.hpp"
+#include "layout_settings.hpp"
 #include "simulate.hpp"
 
 namespace dte::tool {
@@ -45,7 +46,7 @@ struct Simulation {
 
   explicit Simulation(const SimulateOptions& o)
       : spec(checked_spec(o)),
-        train(layout::parse_train_topology(o.train)),
+        train(train_topology(o.train, o.stack)),
         infer(layout::parse_infer_topology(o.infer)),
         hf((check(spec, train, infer), spec)),
         recv(hf, infer),
@@ -129,6 +130,7 @@ int run_simulation(const SimulateOptions& o, Simulation& s, Runner& runner) {
         static_cast<long long>(s.train.world()), o.infer.c_str(),
         static_cast<long long>(s.infer.ranks()), o.transport.c_str(),
         static_cast<long long>(o.steps), static_cast<long long>(o.publish_every), o.lr);
+    print_layout_settings(s.spec, s.train, o.stack);
   }
   struct Totals {
     std::int64_t publications = 0, deltas = 0;
@@ -187,6 +189,7 @@ int run_simulation(const SimulateOptions& o, Simulation& s, Runner& runner) {
   if (o.json) {
     nlohmann::ordered_json j;
     j["transport"] = o.transport;
+    j["layout_settings"] = layout_settings_json(s.spec, s.train, o.stack);
     j["steps"] = o.steps;
     j["publications"] = tot.publications;
     j["publish_every"] = o.publish_every;

@@ -231,6 +231,7 @@ int simulate_storage(const SimulateOptions& o) {
         static_cast<long long>(s.infer.ranks()), static_cast<long long>(o.steps),
         static_cast<long long>(o.anchor_every), static_cast<long long>(o.reader_lag),
         o.encoding.c_str(), o.lr);
+    print_layout_settings(s.spec, s.train, o.stack);
   }
   auto record = [&](const storage::PublishReport& rep) {
     ++publications;
@@ -318,6 +319,7 @@ int simulate_storage(const SimulateOptions& o) {
   if (o.json) {
     nlohmann::ordered_json j;
     j["transport"] = "storage";
+    j["layout_settings"] = layout_settings_json(s.spec, s.train, o.stack);
     j["dir"] = o.dir;
     j["steps"] = o.steps;
     j["publications"] = publications;

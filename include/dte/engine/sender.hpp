@@ -31,6 +31,7 @@
 #include "dte/layout/hf.hpp"
 #include "dte/layout/plan.hpp"
 #include "dte/layout/sglang.hpp"
+#include "dte/layout/shape_check.hpp"
 #include "dte/pipeline/compact.hpp"
 #include "dte/pipeline/detect.hpp"
 #include "dte/pipeline/route.hpp"
@@ -109,6 +110,7 @@ class SenderRank {
       : hf_(&hf),
         recv_(&receivers),
         rank_(rank),
+        train_(train),
         plan_(hf, train, receivers, rank),
         table_(plan_, hf, receivers),
         exec_(exec) {
@@ -173,6 +175,7 @@ class SenderRank {
   template <class Access>
   ScanResult scan(const Access& access, pipeline::ScanMode mode) {
     const auto t0 = std::chrono::steady_clock::now();
+    check_trainer(access);
     using pipeline::ScanMode;
     ScanResult out;
     if (mode != ScanMode::mark) {
@@ -254,6 +257,37 @@ class SenderRank {
     return outbox_.fixed_bytes() + 8 * static_cast<std::uint64_t>(hf_->size()) +
            25 * contributed_.size() + table_.bytes() +
            sizeof(kernel) * (kernels_[0].capacity() + kernels_[1].capacity()) + scratch_bytes();
+  }
+
+  // The trainer holds what the plan says, before anything is read: the optimizer-shard sizes
+  // always, the parameters' names and local shapes once when the accessor can list them
+  // (access.parameters(rank)). A mismatch is a misrouting no digest could catch; it refuses the
+  // publication naming the parameter and the likely cause (layout/shape_check.hpp).
+  template <class Access>
+  void check_trainer(const Access& access) {
+    std::int64_t want[2], held[2];
+    for (layout::BufferKind b : buffers) {
+      want[idx(b)] = plan_.shard_size(b);
+      held[idx(b)] = static_cast<std::int64_t>(access.theta(rank_, b).size());
+    }
+    if constexpr (std::is_same_v<Plan, layout::TransferPlan>) {
+      if constexpr (requires { access.parameters(rank_); }) {
+        if (!parameters_checked_) {
+          layout::check_parameters(hf_->spec(), train_, rank_, access.parameters(rank_));
+          parameters_checked_ = true;
+        }
+      }
+      layout::check_shard_sizes(hf_->spec(), train_, rank_, want, held);
+    } else {
+      for (int k = 0; k < 2; ++k) {
+        if (want[k] != held[k]) {
+          throw invalid_argument("trainer rank " + std::to_string(rank_) + "'s " +
+                                 (k == 0 ? "dense" : "expert") + " shard has " +
+                                 std::to_string(held[k]) + " elements where the plan expects " +
+                                 std::to_string(want[k]) + ". Nothing was sent.");
+        }
+      }
+    }
   }
 
   // ---- The stages of one tile, as scan() runs them (public for the benchmark) ----
@@ -570,6 +604,8 @@ class SenderRank {
   const layout::HfModel* hf_;
   const layout::SglangLayout* recv_;
   std::int64_t rank_;
+  layout::TrainTopology train_;
+  bool parameters_checked_ = false;
   Plan plan_;
   pipeline::RunTable table_;
   Exec exec_;

@@ -29,6 +29,7 @@
 #include "dte/error.hpp"
 #include "dte/io/json.hpp"
 #include "dte/layout/plan.hpp"
+#include "dte/layout/shape_check.hpp"
 
 namespace dte::io {
 
@@ -132,8 +133,16 @@ inline std::vector<layout::RankBuffers> read_buffer_layout(const nlohmann::json&
                                    limits::tensor_elements));
         }
         if (dims != mp.shape()) {
+          const std::string cause =
+              layout::likely_cause(hf.spec(), t, [&](const layout::TrainTopology& alt) {
+                for (const auto& q :
+                     layout::megatron_params(hf.spec(), alt, layout::train_rank(alt, g)))
+                  if (q.name() == name) return q.shape() == dims;
+                return false;
+              });
           fail(where + ": parameter '" + name + "' has shape " + detail::shown(shape) +
-               " but the model says " + nlohmann::json(mp.shape()).dump());
+               " but dte's plan for --train says " + nlohmann::json(mp.shape()).dump() +
+               (cause.empty() ? std::string() : "; likely cause: " + cause));
         }
         if (placed[static_cast<std::size_t>(it->second)]) {
           fail(where + ": parameter '" + name + "' is listed twice");

@@ -54,9 +54,9 @@ inline TrainRank train_rank(const TrainTopology& t, std::int64_t global) {
   r.dp = (global / t.tp) % t.dp;
   r.pp = global / (t.tp * t.dp);
   const std::int64_t in_stage = global % (t.tp * t.dp);
-  r.te = in_stage % t.etp;
-  r.em = (in_stage / t.etp) % t.ep;
-  r.edp = in_stage / (t.etp * t.ep);
+  r.te = in_stage % t.expert_tp();
+  r.em = (in_stage / t.expert_tp()) % t.ep;
+  r.edp = in_stage / (t.expert_tp() * t.ep);
   return r;
 }
 
@@ -129,7 +129,7 @@ struct MegatronParam {
 inline std::vector<MegatronParam> megatron_params(const ModelSpec& m, const TrainTopology& t,
                                                   const TrainRank& r) {
   std::vector<MegatronParam> out;
-  const std::int64_t H = m.hidden, Tm = t.tp, Te = t.etp;
+  const std::int64_t H = m.hidden, Tm = t.tp, Te = t.expert_tp();
   const std::int64_t Vp = t.padded_vocab(m.vocab);
   const bool shared = m.tied() && t.pp > 1;
   auto add = [&](MegatronKind kind, std::int64_t layer, std::int64_t local_layer, std::int64_t rows,
@@ -268,13 +268,13 @@ class MegatronToHF {
         return at(HfKind::down, row, m.intermediate, tm * w + col, p.layer);
       }
       case MegatronKind::expert_fc1: {
-        const std::int64_t half = m.moe_intermediate / t_.etp;
+        const std::int64_t half = m.moe_intermediate / t_.expert_tp();
         const bool gate = row < half;
         return at(gate ? HfKind::expert_gate : HfKind::expert_up,
                   r_.te * half + (gate ? row : row - half), H, col, p.layer, p.expert);
       }
       case MegatronKind::expert_fc2: {
-        const std::int64_t w = m.moe_intermediate / t_.etp;
+        const std::int64_t w = m.moe_intermediate / t_.expert_tp();
         return at(HfKind::expert_down, row, m.moe_intermediate, r_.te * w + col, p.layer, p.expert);
       }
       case MegatronKind::qkv_norm:
@@ -389,12 +389,12 @@ inline MegatronSource megatron_source(const HfModel& hf, const TrainTopology& t,
       s.em = x.expert / local;
       s.local_expert = x.expert % local;
       if (x.kind == HfKind::expert_down) {
-        const std::int64_t w = m.moe_intermediate / t.etp;
+        const std::int64_t w = m.moe_intermediate / t.expert_tp();
         s.kind = MegatronKind::expert_fc2;
         s.te = col / w;
         s.index = row * w + col % w;
       } else {
-        const std::int64_t half = m.moe_intermediate / t.etp;
+        const std::int64_t half = m.moe_intermediate / t.expert_tp();
         s.kind = MegatronKind::expert_fc1;
         s.te = row / half;
         s.index = ((x.kind == HfKind::expert_up ? half : 0) + row % half) * H + col;

@@ -18,22 +18,34 @@
 
 namespace dte::layout {
 
+// The defaults of a member left as constructed are Megatron-Core's / Megatron-LM's (etp = tp,
+// the vocabulary padded to a multiple of 128 * tp, a uniform pipeline split, one bucket);
+// layout/stack.hpp fills them from another stack's defaults and lists what was assumed.
 struct TrainTopology {
   std::int64_t tp = 1;   // Tm
   std::int64_t pp = 1;   // PP
   std::int64_t ep = 1;   // EPm (experts)
-  std::int64_t etp = 1;  // Te (expert tensor parallel)
+  std::int64_t etp = 0;  // Te (expert tensor parallel); 0: as tp (Megatron-Core's default)
   std::int64_t dp = 1;   // dense data parallel (the distributed optimizer shards over it)
   std::vector<std::int64_t> layer_split;  // layers per pipeline stage; empty: uniform L/PP
   std::int64_t bucket_size = 0;           // elements per DDP bucket; 0: one bucket per buffer
   std::int64_t vocab_divisible_by = 128;  // Megatron --make-vocab-size-divisible-by
+  bool pad_vocab = true;  // false: the vocabulary as it is (mbridge, Megatron-Bridge)
+  // The keys parse_train_topology() saw (the rest were assumed); empty for one built in code.
+  std::vector<std::string> given;
 
+  [[nodiscard]] std::int64_t expert_tp() const noexcept { return etp > 0 ? etp : tp; }
   // Expert data parallel size: the world is tp*dp*pp for dense and etp*ep*edp*pp for experts.
-  [[nodiscard]] std::int64_t edp() const noexcept { return tp * dp / (etp * ep); }
+  [[nodiscard]] std::int64_t edp() const noexcept { return tp * dp / (expert_tp() * ep); }
   [[nodiscard]] std::int64_t world() const noexcept { return tp * dp * pp; }
+  [[nodiscard]] bool was_given(std::string_view key) const {
+    return std::find(given.begin(), given.end(), key) != given.end();
+  }
 
-  // Megatron's padded vocabulary: ceil(V / (divisible_by * Tm)) * divisible_by * Tm.
+  // Megatron's padded vocabulary: ceil(V / (divisible_by * Tm)) * divisible_by * Tm; V itself
+  // without padding (validate() then needs V divisible by Tm).
   [[nodiscard]] std::int64_t padded_vocab(std::int64_t vocab) const noexcept {
+    if (!pad_vocab) return vocab;
     const std::int64_t m = vocab_divisible_by * tp;
     return (vocab + m - 1) / m * m;
   }
@@ -123,7 +135,7 @@ inline void check_bounds(const TrainTopology& t) {
   require_range(side, "tp", t.tp, 1, limits::tp);
   require_range(side, "pp", t.pp, 1, limits::pp);
   require_range(side, "ep", t.ep, 1, limits::ep);
-  require_range(side, "etp", t.etp, 1, limits::tp);
+  require_range(side, "etp", t.etp, 0, limits::tp);
   require_range(side, "dp", t.dp, 1, limits::dp);
   require_range(side, "bucket", t.bucket_size, 0, limits::buffer_elements);
   require_range(side, "vocab_div", t.vocab_divisible_by, 1, limits::vocab_divisible_by);
@@ -148,10 +160,12 @@ inline void check_bounds(const InferTopology& t) {
 
 }  // namespace detail
 
-// --train tp=4,pp=2,ep=8,etp=1,dp=4[,split=10:8][,bucket=N][,vocab_div=128]
+// --train tp=4,pp=2,ep=8,etp=1,dp=4[,split=10:8][,bucket=N][,vocab_div=128|none]
+// Keys not given keep Megatron-LM's defaults; layout/stack.hpp applies another stack's.
 inline TrainTopology parse_train_topology(std::string_view spec) {
   TrainTopology t;
   detail::parse_pairs("--train", spec, [&](std::string_view key, std::string_view value) {
+    t.given.emplace_back(key);
     if (key == "tp") {
       t.tp = detail::parse_positive("--train", key, value, limits::tp);
     } else if (key == "pp") {
@@ -164,7 +178,10 @@ inline TrainTopology parse_train_topology(std::string_view spec) {
       t.dp = detail::parse_positive("--train", key, value, limits::dp);
     } else if (key == "bucket") {
       t.bucket_size = detail::parse_positive("--train", key, value, limits::buffer_elements);
+    } else if (key == "vocab_div" && value == "none") {
+      t.pad_vocab = false;
     } else if (key == "vocab_div") {
+      t.pad_vocab = true;
       t.vocab_divisible_by =
           detail::parse_positive("--train", key, value, limits::vocab_divisible_by);
     } else if (key == "split") {
@@ -224,6 +241,9 @@ inline void validate(const ModelSpec& m, const TrainTopology& t) {
     require_divides(side, "tp", t.tp, "num_key_value_heads", m.kv_heads);
   }
   if (!m.moe()) require_divides(side, "intermediate_size", m.intermediate, "tp", t.tp);
+  if (!t.pad_vocab) {
+    require_divides(side, "vocab_size (not padded: vocab_div=none)", m.vocab, "tp", t.tp);
+  }
   if (t.layer_split.empty()) {
     require_divides(side, "num_hidden_layers", m.layers, "pp", t.pp);
   } else {
@@ -239,9 +259,10 @@ inline void validate(const ModelSpec& m, const TrainTopology& t) {
   }
   if (m.moe()) {
     require_divides(side, "num_experts", m.experts, "ep", t.ep);
-    require_divides(side, "moe_intermediate_size", m.moe_intermediate, "etp", t.etp);
-    require_divides(side, "tp*dp", t.tp * t.dp, "etp*ep", t.etp * t.ep);
-  } else if (t.ep != 1 || t.etp != 1) {
+    const std::string etp = t.etp > 0 ? "etp" : "etp (unset: = tp, Megatron-Core's default)";
+    require_divides(side, "moe_intermediate_size", m.moe_intermediate, etp, t.expert_tp());
+    require_divides(side, "tp*dp", t.tp * t.dp, etp + "*ep", t.expert_tp() * t.ep);
+  } else if (t.ep != 1 || t.etp > 1) {
     throw invalid_argument("--train: ep=" + std::to_string(t.ep) +
                            ", etp=" + std::to_string(t.etp) + " given for the dense model '" +
                            m.name + "', which has no experts; drop them");
