@@ -46,7 +46,11 @@ struct MyTrainer {
 // hyperparameters and AdamW state; the engine binds AdamWInverse itself.
 struct MyAccess {
   const MyTrainer* t;
-  std::span<const float> theta(std::int64_t, dte::layout::BufferKind) const { return t->theta; }
+  // One rank, every tensor in the dense buffer; there is no expert buffer.
+  std::span<const float> theta(std::int64_t, dte::layout::BufferKind b) const {
+    if (b == dte::layout::BufferKind::expert) return {};
+    return t->theta;
+  }
   dte::AdamHyperparameters hyperparameters(std::int64_t, dte::layout::BufferKind,
                                            const dte::layout::PlanSegment& s) const {
     const auto& x = (*t->model)[s.param];
