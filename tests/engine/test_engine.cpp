@@ -77,6 +77,44 @@ sim::SyntheticConfig lively() {
 
 }  // namespace
 
+namespace {
+
+// One run of the golden invariant: a full publication, then `steps` optimizer steps publishing
+// every K (with a final flush when asked); every publication must verify without repair and
+// leave every receiver equal to the dense conversion.
+struct GoldenRun {
+  int publications = 0;  // deltas, and the flush
+  int failures = 0;
+  double changed = 0;  // summed changed fraction of the deltas
+};
+
+GoldenRun golden_run(const Pair& pair, std::int64_t K, int steps, bool flush) {
+  const HfModel hf(model_preset(pair.model));
+  const TrainTopology train = parse_train_topology(pair.train);
+  const SglangLayout recv(hf, parse_infer_topology(pair.infer));
+  sim::SyntheticTrainer trainer(hf, train, recv, lively());
+  const sim::AdamWAccess access{&trainer};
+  Cluster engine(hf, train, recv, {.publish_every = K});
+  CHECK(engine.publish_full(access).verified);
+  CHECK(golden_mismatches(hf, recv, trainer, engine) == 0);
+  GoldenRun out;
+  for (int step = 1; step <= steps; ++step) {
+    trainer.step();
+    SyncReport rep;
+    const bool published = flush && step == steps
+                               ? (engine.step(access, rep) || engine.flush(access, rep))
+                               : engine.step(access, rep);
+    if (!published) continue;
+    ++out.publications;
+    out.changed += rep.changed_fraction();
+    out.failures +=
+        !rep.verified || !rep.repaired.empty() || golden_mismatches(hf, recv, trainer, engine) != 0;
+  }
+  return out;
+}
+
+}  // namespace
+
 TEST_CASE("golden invariant: receivers equal the dense conversion after every publication") {
   const Pair pairs[] = {
       {"tiny-qwen3", "tp=2,dp=2", "tp=4,replicas=2"},          // infer TP 4 > 2 KV heads
@@ -89,35 +127,13 @@ TEST_CASE("golden invariant: receivers equal the dense conversion after every pu
       CAPTURE(pair.train);
       CAPTURE(pair.infer);
       CAPTURE(K);
-      const HfModel hf(model_preset(pair.model));
-      const TrainTopology train = parse_train_topology(pair.train);
-      const SglangLayout recv(hf, parse_infer_topology(pair.infer));
-      sim::SyntheticTrainer trainer(hf, train, recv, lively());
-      const sim::AdamWAccess access{&trainer};
-      Cluster engine(hf, train, recv, {.publish_every = K});
-      const SyncReport first = engine.publish_full(access);
-      CHECK(first.verified);
-      CHECK(golden_mismatches(hf, recv, trainer, engine) == 0);
-      int publications = 1, failures = 0;
-      double changed = 0;
-      for (int step = 1; step <= 50; ++step) {
-        trainer.step();
-        SyncReport rep;
-        const bool published = step == 50 ? (engine.step(access, rep) || engine.flush(access, rep))
-                                          : engine.step(access, rep);
-        if (!published) continue;
-        ++publications;
-        changed += rep.changed_fraction();
-        if (!rep.verified || !rep.repaired.empty() ||
-            golden_mismatches(hf, recv, trainer, engine) != 0) {
-          ++failures;
-        }
-      }
+      const GoldenRun r = golden_run(pair, K, 50, true);
+      const int publications = 1 + r.publications;
       std::printf("%s %s -> %s K=%lld: %d publications, mean changed %.3f%%, %d failures\n",
                   pair.model, pair.train, pair.infer, static_cast<long long>(K), publications,
-                  100.0 * changed / (publications - 1), failures);
+                  100.0 * r.changed / (publications - 1), r.failures);
       CHECK(publications == 1 + (50 + K - 1) / K);
-      CHECK(failures == 0);
+      CHECK(r.failures == 0);
     }
   }
 }
@@ -132,25 +148,9 @@ TEST_CASE("golden invariant for the other families: tied, q/k/v biases, Llama (K
     for (const std::int64_t K : {1, 3}) {
       CAPTURE(pair.model);
       CAPTURE(K);
-      const HfModel hf(model_preset(pair.model));
-      const TrainTopology train = parse_train_topology(pair.train);
-      const SglangLayout recv(hf, parse_infer_topology(pair.infer));
-      sim::SyntheticTrainer trainer(hf, train, recv, lively());
-      const sim::AdamWAccess access{&trainer};
-      Cluster engine(hf, train, recv, {.publish_every = K});
-      CHECK(engine.publish_full(access).verified);
-      CHECK(golden_mismatches(hf, recv, trainer, engine) == 0);
-      int publications = 0, failures = 0;
-      for (int step = 1; step <= 24; ++step) {
-        trainer.step();
-        SyncReport rep;
-        if (!engine.step(access, rep)) continue;
-        ++publications;
-        failures += !rep.verified || !rep.repaired.empty() ||
-                    golden_mismatches(hf, recv, trainer, engine) != 0;
-      }
-      CHECK(publications == 24 / K);
-      CHECK(failures == 0);
+      const GoldenRun r = golden_run(pair, K, 24, false);
+      CHECK(r.publications == 24 / K);
+      CHECK(r.failures == 0);
     }
   }
 }

@@ -77,17 +77,6 @@ PRESETS = {
         "vocab_size": 300,
         "tie_word_embeddings": False,
     },
-    "tiny-qwen3-tied": {
-        "architectures": ["Qwen3ForCausalLM"],
-        "hidden_size": 32,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "intermediate_size": 48,
-        "vocab_size": 300,
-        "tie_word_embeddings": True,
-    },
     "tiny-qwen2": {
         "architectures": ["Qwen2ForCausalLM"],
         "hidden_size": 64,
@@ -111,6 +100,8 @@ PRESETS = {
         "mlp_bias": False,
     },
 }
+
+PRESETS["tiny-qwen3-tied"] = {**PRESETS["tiny-qwen3"], "tie_word_embeddings": True}
 
 MEGATRON_VOCAB_DIVISOR = 128  # --make-vocab-size-divisible-by default (LAYOUTS.md §3.2)
 SGLANG_VOCAB_DIVISOR = 64  # pad_vocab_size(V, 64) (LAYOUTS.md §5.4)

@@ -27,6 +27,13 @@ namespace {
 
 const std::filesystem::path configs = DTE_LAYOUT_CONFIGS;
 
+// The bias tensor of a q/k/v weight tensor.
+HfKind bias_of(HfKind weight) {
+  return weight == HfKind::q   ? HfKind::q_bias
+         : weight == HfKind::k ? HfKind::k_bias
+                               : HfKind::v_bias;
+}
+
 std::int64_t count_kind(const std::vector<MegatronParam>& ps, MegatronKind k) {
   std::int64_t n = 0;
   for (const MegatronParam& p : ps)
@@ -178,10 +185,7 @@ TEST_CASE("q/k/v biases: every bias row goes where its weight row goes, on both 
         CHECK(bias.name() == weight.name().substr(0, weight.name().size() - 6) + "bias");
         for (std::int64_t row = 0; row < bias.rows; ++row) {
           const Canonical b = map(bias, row), w = map(weight, row * H);
-          const HfKind want = hf[w.tensor].kind == HfKind::q   ? HfKind::q_bias
-                              : hf[w.tensor].kind == HfKind::k ? HfKind::k_bias
-                                                               : HfKind::v_bias;
-          CHECK(hf[b.tensor].kind == want);
+          CHECK(hf[b.tensor].kind == bias_of(hf[w.tensor].kind));
           CHECK(hf[b.tensor].layer == hf[w.tensor].layer);
           CHECK(b.index == w.index / H);
           const MegatronSource s = megatron_source(hf, t, b);
@@ -205,9 +209,7 @@ TEST_CASE("q/k/v biases: every bias row goes where its weight row goes, on both 
         for (std::int64_t row = 0; row < recv[bid].numel; ++row) {
           const Canonical b = recv.source({ts, bid, row});
           const Canonical w = recv.source({ts, wid, row * H});
-          CHECK(hf[b.tensor].kind == (hf[w.tensor].kind == HfKind::q   ? HfKind::q_bias
-                                      : hf[w.tensor].kind == HfKind::k ? HfKind::k_bias
-                                                                       : HfKind::v_bias));
+          CHECK(hf[b.tensor].kind == bias_of(hf[w.tensor].kind));
           CHECK(b.index == w.index / H);
         }
       }

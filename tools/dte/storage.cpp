@@ -186,7 +186,8 @@ int simulate_storage(const SimulateOptions& o) {
   // The simulation checks every reader against its own trainer's history from version 1: an
   // earlier run's versions would be continued (as a restarted trainer does) and compared with
   // the wrong weights.
-  if (std::error_code ec; std::filesystem::exists(std::filesystem::path(o.dir) / "LATEST", ec)) {
+  if (std::error_code ec;
+      std::filesystem::exists(std::filesystem::path(o.dir) / storage::latest_name, ec)) {
     throw invalid_argument("--dir " + o.dir +
                            " already holds published versions (an earlier run); dte simulate "
                            "checks its readers from version 1 on: give it an empty or new "

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -65,23 +66,22 @@ void register_verify_start(CLI::App& app, int& status) {
     const layout::HfModel hf(m);
     io::StartReport rep;
     if (!o->published.empty()) {
-      // One shard file of the publication at a time (the checks reads its own side by file).
+      // The publication's shards are read as the checkpoint's tensors come, keeping the last.
       const std::map<std::string, std::string> files = io::hf_checkpoint_files(o->published);
-      std::map<std::string, io::SafetensorsFile> open;
+      std::string open_name;
+      std::optional<io::SafetensorsFile> open;
       rep = io::verify_start(hf, o->checkpoint, [&](std::int64_t t, std::span<std::uint16_t> out) {
         const auto it = files.find(hf.name(t));
         if (it == files.end()) {
           throw format_error(o->published + ": the publication has no tensor " + hf.name(t));
         }
-        if (open.size() > 1 && !open.count(it->second)) open.clear();
-        auto f = open.find(it->second);
-        if (f == open.end()) {
-          f = open.emplace(it->second, io::SafetensorsFile::read(
-                                           std::filesystem::path(o->published) / it->second))
-                  .first;
+        if (!open || open_name != it->second) {
+          open.reset();
+          open = io::SafetensorsFile::read(std::filesystem::path(o->published) / it->second);
+          open_name = it->second;
         }
         const std::vector<std::uint16_t> bits =
-            f->second.read_as<std::uint16_t>(hf.name(t), io::DType::BF16);
+            open->read_as<std::uint16_t>(hf.name(t), io::DType::BF16);
         if (bits.size() != out.size()) {
           throw format_error(o->published + ": " + hf.name(t) + " has " +
                              std::to_string(bits.size()) + " elements, the model " +

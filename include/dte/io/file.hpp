@@ -24,6 +24,20 @@
 
 namespace dte::io {
 
+// Whether `name` is a plain file name (letters, digits, '.', '_', '-'; not starting with '.';
+// at most max_file_name bytes): a name read from a file that may only ever name a file inside
+// one directory (storage chunks and manifests, checkpoint shards), never a path.
+inline constexpr std::size_t max_file_name = 128;
+inline bool plain_file_name(std::string_view name) noexcept {
+  if (name.empty() || name.size() > max_file_name || name.front() == '.') return false;
+  for (const char c : name) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '.' || c == '_' || c == '-';
+    if (!ok) return false;
+  }
+  return true;
+}
+
 namespace detail {
 
 inline std::string errno_text(int err) {

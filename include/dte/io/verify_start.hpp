@@ -16,6 +16,7 @@
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <set>
 #include <span>
 #include <string>
 #include <vector>
@@ -23,6 +24,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dte/error.hpp"
+#include "dte/io/file.hpp"
 #include "dte/io/json.hpp"
 #include "dte/io/safetensors.hpp"
 #include "dte/layout/hf.hpp"
@@ -69,15 +71,6 @@ struct StartReport {
   }
 };
 
-namespace detail {
-
-inline bool plain_name(const std::string& f) {
-  return !f.empty() && f.find('/') == std::string::npos && f != "." && f != ".." &&
-         f.find('\0') == std::string::npos;
-}
-
-}  // namespace detail
-
 // tensor -> file of an HF checkpoint directory (the index, or the single model.safetensors).
 inline std::map<std::string, std::string> hf_checkpoint_files(const std::filesystem::path& dir) {
   std::map<std::string, std::string> out;
@@ -88,7 +81,7 @@ inline std::map<std::string, std::string> hf_checkpoint_files(const std::filesys
     const JsonReader r(index.string());
     const nlohmann::json& map = r.object(j, "weight_map", "");
     for (const auto& [name, file] : map.items()) {
-      if (!file.is_string() || !detail::plain_name(file.get<std::string>())) {
+      if (!file.is_string() || !plain_file_name(file.get<std::string>())) {
         r.fail("weight_map." + name, "is not a plain file name inside the checkpoint directory");
       }
       out.emplace(name, file.get<std::string>());
@@ -123,11 +116,11 @@ inline StartReport verify_start(
     }
     by_file[it->second].push_back(t);
   }
+  std::set<std::string> names;
+  for (std::int64_t t = 0; t < hf.size(); ++t)
+    names.insert(hf.name(t));
   for (const auto& [name, file] : files) {
-    bool known = false;
-    for (std::int64_t t = 0; t < hf.size() && !known; ++t)
-      known = hf.name(t) == name;
-    if (!known) {
+    if (!names.count(name)) {
       rep.problems.push_back("the checkpoint has tensor " + name + ", which the model (" +
                              hf.spec().structure() + ") does not" +
                              (name == "lm_head.weight" ? " (is tie_word_embeddings right?)" : ""));
@@ -138,14 +131,10 @@ inline StartReport verify_start(
     const SafetensorsFile f = SafetensorsFile::read(dir / file);
     for (std::int64_t t : ids) {
       const TensorInfo& info = f.at(hf.name(t));
-      const std::vector<std::int64_t> want = hf.shape(t);
-      if (std::vector<std::int64_t>(info.shape.begin(), info.shape.end()) != want) {
-        rep.problems.push_back(hf.name(t) + " has shape [" + [&] {
-          std::string s;
-          for (std::size_t i = 0; i < info.shape.size(); ++i)
-            s += (i ? ", " : "") + std::to_string(info.shape[i]);
-          return s;
-        }() + "] in the checkpoint");
+      const std::vector<std::int64_t> have(info.shape.begin(), info.shape.end());
+      if (have != hf.shape(t)) {
+        rep.problems.push_back(hf.name(t) + " has shape " + layout::shape_text(have) +
+                               " in the checkpoint");
         continue;
       }
       std::vector<std::uint16_t> theirs;

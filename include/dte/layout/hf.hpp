@@ -57,6 +57,14 @@ struct HfTensor {
   [[nodiscard]] std::int64_t numel() const noexcept { return cols == 0 ? rows : rows * cols; }
 };
 
+// "[rows, cols]": a tensor shape as messages print it.
+inline std::string shape_text(const std::vector<std::int64_t>& s) {
+  std::string out = "[";
+  for (std::size_t i = 0; i < s.size(); ++i)
+    out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
 inline constexpr std::size_t hf_kinds = static_cast<std::size_t>(HfKind::lm_head) + 1;
 
 class HfModel {

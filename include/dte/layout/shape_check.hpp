@@ -29,13 +29,6 @@ struct ParamShape {
 
 namespace detail {
 
-inline std::string shape_text(const std::vector<std::int64_t>& s) {
-  std::string out = "[";
-  for (std::size_t i = 0; i < s.size(); ++i)
-    out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + "]";
-}
-
 inline bool same_params(const std::vector<MegatronParam>& plan,
                         const std::vector<ParamShape>& held) {
   if (plan.size() != held.size()) return false;
@@ -116,16 +109,16 @@ inline void check_parameters(const ModelSpec& m, const TrainTopology& t, std::in
   std::string what;
   for (std::size_t i = 0; i < std::max(plan.size(), held.size()); ++i) {
     if (i >= plan.size()) {
-      what = "holds " + held[i].name + " " + detail::shape_text(held[i].shape) +
+      what = "holds " + held[i].name + " " + shape_text(held[i].shape) +
              ", which dte's plan does not have";
     } else if (i >= held.size()) {
-      what = "does not hold " + plan[i].name() + " " + detail::shape_text(plan[i].shape()) +
+      what = "does not hold " + plan[i].name() + " " + shape_text(plan[i].shape()) +
              ", which dte's plan expects";
     } else if (plan[i].name() != held[i].name) {
       what = "holds " + held[i].name + " where dte's plan expects " + plan[i].name();
     } else if (plan[i].shape() != held[i].shape) {
-      what = "holds " + held[i].name + " as " + detail::shape_text(held[i].shape) +
-             " where dte's plan expects " + detail::shape_text(plan[i].shape());
+      what = "holds " + held[i].name + " as " + shape_text(held[i].shape) +
+             " where dte's plan expects " + shape_text(plan[i].shape());
     } else {
       continue;
     }

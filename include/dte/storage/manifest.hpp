@@ -29,6 +29,7 @@
 #include "dte/engine/digest.hpp"
 #include "dte/engine/message.hpp"
 #include "dte/error.hpp"
+#include "dte/io/file.hpp"
 #include "dte/io/json.hpp"
 #include "dte/layout/hf.hpp"
 
@@ -38,7 +39,6 @@ inline constexpr std::string_view manifest_format = "dte-manifest-v1";
 inline constexpr std::int64_t max_version = std::int64_t{1} << 62;
 inline constexpr std::int64_t max_chunks = std::int64_t{1} << 20;
 inline constexpr std::int64_t max_chunk_file_bytes = std::int64_t{1} << 40;
-inline constexpr std::size_t max_file_name = 128;
 
 struct ChunkEntry {
   std::string file;  // a plain name inside the version directory
@@ -61,16 +61,9 @@ struct Manifest {
   friend bool operator==(const Manifest&, const Manifest&) = default;
 };
 
-// Whether `name` may name a file of a version directory: see the top of this file.
-inline bool plain_file_name(std::string_view name) noexcept {
-  if (name.empty() || name.size() > max_file_name || name.front() == '.') return false;
-  for (const char c : name) {
-    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-                    c == '.' || c == '_' || c == '-';
-    if (!ok) return false;
-  }
-  return true;
-}
+// Chunk and manifest files are plain names (io::plain_file_name): see the top of this file.
+using io::max_file_name;
+using io::plain_file_name;
 
 namespace detail {
 
