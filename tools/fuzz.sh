@@ -6,13 +6,14 @@
 #   tools/fuzz.sh check <harness> <secs>  replay fuzz/corpus/<harness>, then fuzz <secs> seconds
 #   tools/fuzz.sh long <secs>             every harness for <secs> seconds, two at a time; the
 #                                         findings (if any) and the figures under $DTE_FUZZ_DIR/long
-# Harnesses: safetensors model_config buffer_layout optimizer_dump receiver chunk manifest.
+# Harnesses: safetensors model_config buffer_layout optimizer_dump receiver chunk manifest
+# publication.
 # A crash leaves its input as $DTE_FUZZ_DIR/<harness>-crash-* (replay: build/fuzz/fuzz_<h> FILE).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 dir="${DTE_FUZZ_DIR:-$root/build/fuzz}"
 cxx="${DTE_FUZZ_CXX:-$(command -v clang++-14 || command -v clang++ || true)}"
-harnesses=(safetensors model_config buffer_layout optimizer_dump receiver chunk manifest)
+harnesses=(safetensors model_config buffer_layout optimizer_dump receiver chunk manifest publication)
 
 fuzz_one() {  # harness seconds work-dir
   local h="$1" secs="$2" work="$3"

@@ -16,7 +16,7 @@ demo_packages=(
 packages=(
   "${demo_packages[@]}"
   clang-format clang-14 libclang-rt-14-dev zstd
-  python3 python3-torch
+  python3 python3-torch python3-venv python3-pip python3-mpi4py
   libopenmpi-dev openmpi-bin
 )
 if [ "${1:-}" = "demo" ]; then packages=("${demo_packages[@]}"); fi

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 # The one test command: install what is missing, configure, build everything (host targets with
-# g++, every CUDA target with nvcc when it is present), run the whole CTest suite.
+# g++, every CUDA target with nvcc when it is present), run the whole CTest suite, then build the
+# Python package into a venv and run its pytest suite (tools/python-tests.sh).
 #   tools/test.sh [extra ctest arguments, e.g. -L oracle or -R safetensors]
 # Environment: DTE_BUILD_DIR (default build), DTE_JOBS (default: number of cores).
 set -euo pipefail
@@ -23,3 +24,4 @@ fi
 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${launcher[@]}"
 cmake --build "$build" -j "$jobs"
 ctest --test-dir "$build" -j "$jobs" --output-on-failure "$@"
+"$root/tools/python-tests.sh"

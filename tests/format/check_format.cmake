@@ -5,7 +5,7 @@ file(GLOB_RECURSE files
      "${SOURCE_DIR}/tests/*.cpp" "${SOURCE_DIR}/tests/*.cu" "${SOURCE_DIR}/tests/*.hpp"
      "${SOURCE_DIR}/tools/*.cpp" "${SOURCE_DIR}/tools/*.hpp"
      "${SOURCE_DIR}/examples/*.cpp" "${SOURCE_DIR}/examples/*.cu" "${SOURCE_DIR}/bench/*.cpp"
-     "${SOURCE_DIR}/bench/gpu/*.cu")
+     "${SOURCE_DIR}/bench/gpu/*.cu" "${SOURCE_DIR}/python/src/*.cpp")
 list(FILTER files EXCLUDE REGEX "/build[^/]*/")
 execute_process(COMMAND "${CLANG_FORMAT}" --dry-run -Werror ${files}
                 RESULT_VARIABLE rc ERROR_VARIABLE err)

@@ -131,6 +131,27 @@ inline layout::ModelSpec model_from_config_json(const nlohmann::json& j,
   return m;
 }
 
+// The config.json fields dte reads, for `m` (model_from_config_json of it gives m back, but for
+// the name): what a publication carries so that a receiver can learn the model from it.
+inline nlohmann::ordered_json config_json(const layout::ModelSpec& m) {
+  nlohmann::ordered_json j;
+  j["architectures"] = nlohmann::ordered_json::array({m.architecture});
+  j["hidden_size"] = m.hidden;
+  j["num_hidden_layers"] = m.layers;
+  j["num_attention_heads"] = m.heads;
+  j["num_key_value_heads"] = m.kv_heads;
+  j["head_dim"] = m.head_dim;
+  if (m.moe()) {
+    j["num_experts"] = m.experts;
+    j["moe_intermediate_size"] = m.moe_intermediate;
+    j["num_experts_per_tok"] = m.experts_per_token;
+  }
+  if (!m.moe() || m.intermediate > 0) j["intermediate_size"] = m.intermediate;
+  j["vocab_size"] = m.vocab;
+  j["tie_word_embeddings"] = m.tie_word_embeddings;
+  return j;
+}
+
 // config.json files are a few kilobytes; 16 MiB leaves room for any tokenizer-sized extras.
 inline constexpr std::uintmax_t max_config_bytes = std::uintmax_t{16} << 20;
 

@@ -104,6 +104,7 @@ class SglangLayout {
   }
 
   [[nodiscard]] const InferTopology& topology() const noexcept { return t_; }
+  [[nodiscard]] const HfModel& model() const noexcept { return *hf_; }
   [[nodiscard]] std::int64_t size() const noexcept {
     return static_cast<std::int64_t>(tensors_.size());
   }

@@ -103,20 +103,34 @@ inline constexpr std::string_view hf_index_name = "model.safetensors.index.json"
 
 namespace detail {
 
-// One writer's chunks of one version, filled in shard order by the pipeline's emitter. Xor:
-// every changed element whose previous value the reconstruction knows for certain goes into an
-// XOR chunk (new bits XOR previous bits), the few others into a value chunk beside it.
-template <bool Xor>
+// Where a ChunkSink's finished chunks go: into the version directory, as the storage publisher
+// writes them (an anchor's as parts rank 0 assembles). Returns the manifest's entry for it.
+struct ChunkFiles {
+  std::filesystem::path dir;
+  bool anchor = false;
+  ChunkEntry operator()(std::uint32_t chunk, std::uint32_t writer,
+                        std::vector<std::byte> bytes) const {
+    const std::string name =
+        anchor ? anchor_part_name(chunk, writer) : chunk_file_name(chunk, writer);
+    io::write_file_atomic(dir / name, bytes, "chunk");
+    return {name, bytes.size(), checksum(bytes), chunk, writer};
+  }
+};
+
+// One writer's chunks of one version, filled in shard order by the pipeline's emitter and handed
+// to `store` (ChunkFiles, or memory: publication/publisher.hpp) as each fills. Xor: every changed
+// element whose previous value the reconstruction knows for certain goes into an XOR chunk (new
+// bits XOR previous bits), the few others into a value chunk beside it.
+template <bool Xor, class Store>
 class ChunkSink {
  public:
-  ChunkSink(const layout::HfModel& hf, std::filesystem::path dir, ChunkHeader header, bool anchor,
-            const PublisherConfig& cfg)
+  ChunkSink(const layout::HfModel& hf, ChunkHeader header, int zstd_level,
+            std::uint64_t chunk_entries, Store store)
       : hf_(&hf),
-        dir_(std::move(dir)),
         header_(header),
-        anchor_(anchor),
-        level_(cfg.zstd_level),
-        limit_(cfg.chunk_entries) {
+        level_(zstd_level),
+        limit_(chunk_entries),
+        store_(std::move(store)) {
     for (Open& o : open_)
       o.tensors.resize(static_cast<std::size_t>(hf.size()));
   }
@@ -143,6 +157,7 @@ class ChunkSink {
   }
 
   [[nodiscard]] const std::vector<ChunkEntry>& written() const noexcept { return written_; }
+  [[nodiscard]] Store& store() noexcept { return store_; }
 
  private:
   struct Open {
@@ -175,11 +190,7 @@ class ChunkSink {
     }
     o.touched.clear();
     o.pending = 0;
-    const std::vector<std::byte> bytes = encode_chunk(*hf_, c, level_);
-    const std::string name = anchor_ ? anchor_part_name(c.header.chunk, c.header.writer)
-                                     : chunk_file_name(c.header.chunk, c.header.writer);
-    io::write_file_atomic(dir_ / name, bytes, "chunk");
-    written_.push_back({name, bytes.size(), checksum(bytes), c.header.chunk, c.header.writer});
+    written_.push_back(store_(c.header.chunk, c.header.writer, encode_chunk(*hf_, c, level_)));
   }
 
   // A writer's elements of one tensor arrive in shard order, which is index order for every
@@ -200,11 +211,10 @@ class ChunkSink {
   }
 
   const layout::HfModel* hf_;
-  std::filesystem::path dir_;
   ChunkHeader header_;
-  bool anchor_;
   int level_;
   std::uint64_t limit_;
+  Store store_;
   Open open_[2];  // value, xor
   std::vector<ChunkEntry> written_;
 };
@@ -296,6 +306,103 @@ inline std::vector<ChunkEntry> write_anchor_shards(const layout::HfModel& hf,
   return out;
 }
 
+// ---- What every writer group of a root does (the storage publisher's rank 0, and
+// publication/storage.hpp's writer of publication messages) ----
+
+// One publisher group per root: its writer holds an exclusive flock on ROOT/writer.lock for its
+// lifetime (the kernel releases it when the process dies, SIGKILL included).
+inline io::detail::FdGuard lock_root(const std::filesystem::path& root) {
+  const std::string name = (root / "writer.lock").string();
+  io::detail::FdGuard fd(::open(name.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644));
+  if (fd.get() < 0) {
+    const int err = errno;
+    throw io_error("cannot open '" + name + "': " + io::detail::errno_text(err));
+  }
+  if (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    if (err == EWOULDBLOCK) {
+      throw protocol_error("another publisher holds '" + name +
+                           "': one writer group per storage root (stop it, or use another root)");
+    }
+    throw io_error("cannot lock '" + name + "': " + io::detail::errno_text(err));
+  }
+  return fd;
+}
+
+// The newest version directory with a manifest (0: none).
+inline Version newest_complete(const std::filesystem::path& root) {
+  Version top = 0;
+  for (const auto& e : std::filesystem::directory_iterator(root)) {
+    const std::optional<Version> v = parse_version_dir(e.path().filename().string());
+    if (v && *v > top && std::filesystem::exists(e.path() / manifest_name)) top = *v;
+  }
+  return top;
+}
+
+// A name a publisher writes into a version directory (finished, or a temporary of one).
+inline bool own_file(const std::string& name) {
+  const std::string base = name.substr(0, io::temporary_suffix(name));
+  const auto digits = [](std::string_view s) {
+    return !s.empty() && s.find_first_not_of("0123456789") == std::string_view::npos;
+  };
+  const auto chunk_like = [&](std::string_view s, std::string_view prefix) {
+    if (!s.starts_with(prefix) || !s.ends_with(".zst")) return false;
+    s.remove_prefix(prefix.size());
+    s.remove_suffix(4);
+    const auto w = s.find("-w");
+    return w != std::string_view::npos && digits(s.substr(0, w)) && digits(s.substr(w + 2));
+  };
+  return chunk_like(base, "c") || chunk_like(base, "anchor-part-c") ||
+         base == std::string(manifest_name) || base == std::string(hf_index_name) ||
+         (base.starts_with("model-") && base.ends_with(".safetensors"));
+}
+
+// The directory of the version about to be written holds, at most, what a writer that died
+// left there: its own chunk, shard and temporary files, which are removed. Anything else is
+// not ours: refused, untouched.
+inline void clear_unfinished(const std::filesystem::path& dir) {
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec)) return;
+  std::vector<std::filesystem::path> ours;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    if (!own_file(e.path().filename().string()) || !e.is_regular_file()) {
+      throw protocol_error("'" + e.path().string() +
+                           "' is in the directory of the next version and was not written by "
+                           "a dte publisher; move it away before publishing");
+    }
+    ours.push_back(e.path());
+  }
+  for (const auto& p : ours)
+    std::filesystem::remove(p);
+}
+
+// The last step of a publication, once every chunk listed in `m` is in `dir`: an anchor's parts
+// become a Hugging Face checkpoint directory (m.chunks then lists its shards), the manifest is
+// written exclusively (of two writers of one version one wins, the other fails naming the
+// conflict), then LATEST moves. Returns the version's bytes on storage, the manifest included.
+inline std::uint64_t commit_version(const layout::HfModel& hf, const std::filesystem::path& root,
+                                    Manifest& m, std::uint64_t anchor_file_bytes) {
+  const std::filesystem::path dir = version_dir(root, m.version);
+  if (m.anchor()) {
+    const std::vector<ChunkEntry> parts = m.chunks;
+    m.chunks = write_anchor_shards(hf, dir, m.version, parts, m.digest, anchor_file_bytes);
+    for (const ChunkEntry& e : parts)
+      std::filesystem::remove(dir / e.file);
+  }
+  const std::string text = manifest_json(m);
+  if (!io::write_file_exclusive(dir / manifest_name, std::as_bytes(std::span(text)), "manifest")) {
+    throw protocol_error("version " + std::to_string(m.version) +
+                         " was published by another writer while this one wrote it; "
+                         "its chunks were replaced, publish again from an anchor");
+  }
+  write_latest(root, m.version);
+  std::uint64_t bytes = text.size();
+  for (const ChunkEntry& e : m.chunks)
+    bytes += e.bytes;
+  if (m.anchor()) bytes += detail::file_size(dir / hf_index_name);
+  return bytes;
+}
+
 template <optimizer_inverse Inverse, change_detector Detect, layout_mapping Layout, transport World>
 requires transfer_plan<typename Layout::plan_type>
 class Publisher {
@@ -377,74 +484,6 @@ class Publisher {
     return c;
   }
 
-  // One publisher group per root: rank 0 holds an exclusive flock on ROOT/writer.lock for its
-  // lifetime (the kernel releases it when the process dies, SIGKILL included).
-  static io::detail::FdGuard lock_root(const std::filesystem::path& root) {
-    const std::string name = (root / "writer.lock").string();
-    io::detail::FdGuard fd(::open(name.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644));
-    if (fd.get() < 0) {
-      const int err = errno;
-      throw io_error("cannot open '" + name + "': " + io::detail::errno_text(err));
-    }
-    if (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
-      const int err = errno;
-      if (err == EWOULDBLOCK) {
-        throw protocol_error("another publisher holds '" + name +
-                             "': one writer group per storage root (stop it, or use another root)");
-      }
-      throw io_error("cannot lock '" + name + "': " + io::detail::errno_text(err));
-    }
-    return fd;
-  }
-
-  // The newest version directory with a manifest (0: none).
-  static Version newest_complete(const std::filesystem::path& root) {
-    Version top = 0;
-    for (const auto& e : std::filesystem::directory_iterator(root)) {
-      const std::optional<Version> v = parse_version_dir(e.path().filename().string());
-      if (v && *v > top && std::filesystem::exists(e.path() / manifest_name)) top = *v;
-    }
-    return top;
-  }
-
-  // The directory of the version about to be written holds, at most, what a writer that died
-  // left there: its own chunk, shard and temporary files, which are removed. Anything else is
-  // not ours: refused, untouched.
-  static void clear_unfinished(const std::filesystem::path& dir) {
-    std::error_code ec;
-    if (!std::filesystem::is_directory(dir, ec)) return;
-    std::vector<std::filesystem::path> ours;
-    for (const auto& e : std::filesystem::directory_iterator(dir)) {
-      if (!own_file(e.path().filename().string()) || !e.is_regular_file()) {
-        throw protocol_error("'" + e.path().string() +
-                             "' is in the directory of the next version and was not written by "
-                             "a dte publisher; move it away before publishing");
-      }
-      ours.push_back(e.path());
-    }
-    for (const auto& p : ours)
-      std::filesystem::remove(p);
-  }
-
- public:
-  // A name this publisher writes into a version directory (finished, or a temporary of one).
-  static bool own_file(const std::string& name) {
-    const std::string base = name.substr(0, io::temporary_suffix(name));
-    const auto digits = [](std::string_view s) {
-      return !s.empty() && s.find_first_not_of("0123456789") == std::string_view::npos;
-    };
-    const auto chunk_like = [&](std::string_view s, std::string_view prefix) {
-      if (!s.starts_with(prefix) || !s.ends_with(".zst")) return false;
-      s.remove_prefix(prefix.size());
-      s.remove_suffix(4);
-      const auto w = s.find("-w");
-      return w != std::string_view::npos && digits(s.substr(0, w)) && digits(s.substr(w + 2));
-    };
-    return chunk_like(base, "c") || chunk_like(base, "anchor-part-c") ||
-           base == std::string(manifest_name) || base == std::string(hf_index_name) ||
-           (base.starts_with("model-") && base.ends_with(".safetensors"));
-  }
-
  private:
   // Every rank passes its error (empty: none); throws on every rank when any failed.
   void agree(const std::string& mine, const char* phase) {
@@ -507,10 +546,12 @@ class Publisher {
       };
       // (XOR needs the base to be the previous optimizer step: one step() since the last one)
       if (cfg_.encoding == Encoding::xor_base && !anchor && stepped_once_) {
-        detail::ChunkSink<true> sink(*hf_, dir, {v, base, 0, rank}, anchor, cfg_);
+        detail::ChunkSink<true, detail::ChunkFiles> sink(*hf_, {v, base, 0, rank}, cfg_.zstd_level,
+                                                         cfg_.chunk_entries, {dir, anchor});
         pass(sink);
       } else {
-        detail::ChunkSink<false> sink(*hf_, dir, {v, base, 0, rank}, anchor, cfg_);
+        detail::ChunkSink<false, detail::ChunkFiles> sink(*hf_, {v, base, 0, rank}, cfg_.zstd_level,
+                                                          cfg_.chunk_entries, {dir, anchor});
         pass(sink);
       }
     } catch (const std::exception& e) {
@@ -562,21 +603,8 @@ class Publisher {
                               table[at + 1], c, w});
           }
         }
-        if (anchor) {
-          m.chunks = write_anchor_shards(*hf_, dir, v, listed, m.digest, cfg_.anchor_file_bytes);
-          for (const ChunkEntry& e : listed)
-            std::filesystem::remove(dir / e.file);
-        } else {
-          m.chunks = std::move(listed);
-        }
-        const std::string text = manifest_json(m);
-        if (!io::write_file_exclusive(dir / manifest_name, std::as_bytes(std::span(text)),
-                                      "manifest")) {
-          throw protocol_error("version " + std::to_string(v) +
-                               " was published by another writer while this one wrote it; "
-                               "its chunks were replaced, publish again from an anchor");
-        }
-        write_latest(root_, v);
+        m.chunks = std::move(listed);
+        outcome[0] = commit_version(*hf_, root_, m, cfg_.anchor_file_bytes);
         if (cfg_.collect) {
           // (the version is published: a failure here is reported, not a failed publication)
           try {
@@ -585,10 +613,6 @@ class Publisher {
             collect_problem = e.what();
           }
         }
-        outcome[0] = text.size();
-        for (const ChunkEntry& e : m.chunks)
-          outcome[0] += e.bytes;
-        if (anchor) outcome[0] += detail::file_size(dir / hf_index_name);
         outcome[1] = m.chunks.size();
       } catch (const std::exception& e) {
         err = e.what();

@@ -1,0 +1,217 @@
+// SPDX-License-Identifier: Apache-2.0
+// publication::Publisher: one trainer that holds the whole model in HF layout (a PyTorch model,
+// a user's own loop: the Identity layout) publishes self-contained messages
+// (publication/message.hpp) instead of sending to receivers it knows. The pipeline is the
+// engine's (engine/sender.hpp: validate, reconstruct, detect with the guard band, compact, the
+// K-step dirty mask); its elements go out in canonical coordinates into chunks, as for storage.
+//
+// One publication, top to bottom:
+//   1. the kind: full for the first one, after any refusal or failure (nothing is known about
+//      what the refused step changed), and on request; else a delta on the version last returned;
+//   2. the staged pass over the flat buffer (all: every element; detect: this step's changes;
+//      mask: everything the dirty mask gathered over the last publish_every steps);
+//   3. the chunks (zstd; at most chunk_entries elements each), the manifest with the trainer's
+//      digest per canonical tensor, the message. A refusal throws before any of it and returns
+//      nothing; the version number is not used up.
+// Between publications, step() ORs each optimizer step's changes into the dirty mask.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dte/concepts.hpp"
+#include "dte/engine/digest.hpp"
+#include "dte/engine/sender.hpp"
+#include "dte/error.hpp"
+#include "dte/exec/host.hpp"
+#include "dte/layout/hf.hpp"
+#include "dte/layout/identity.hpp"
+#include "dte/layout/sglang.hpp"
+#include "dte/publication/message.hpp"
+#include "dte/storage/publisher.hpp"
+
+namespace dte::publication {
+
+// What a trainer holding its weights as one flat FP32 buffer in canonical order (HfModel::base
+// offsets) and each tensor's optimizer state apart gives the publisher (concept trainer_access):
+// PyTorch after dte.TorchPublisher flattened the parameters, or any loop that does the same.
+template <optimizer_inverse Inverse>
+struct FlatTrainer {
+  std::span<const float> theta;                          // hf.total() elements
+  std::vector<typename Inverse::hyperparameters> hyper;  // per HF tensor
+  std::vector<typename Inverse::state> state;            // per HF tensor, its numel each
+};
+
+// The accessor the publisher reads a FlatTrainer through.
+template <optimizer_inverse Inverse>
+struct FlatAccess {
+  const FlatTrainer<Inverse>* t;
+  [[nodiscard]] std::span<const float> theta(std::int64_t, layout::BufferKind b) const {
+    return b == layout::BufferKind::dense ? t->theta : std::span<const float>{};
+  }
+  [[nodiscard]] typename Inverse::hyperparameters hyperparameters(
+      std::int64_t, layout::BufferKind, const layout::PlanSegment& s) const {
+    return t->hyper[static_cast<std::size_t>(s.param)];
+  }
+  [[nodiscard]] typename Inverse::state state(std::int64_t, layout::BufferKind,
+                                              const layout::PlanSegment& s) const {
+    return t->state[static_cast<std::size_t>(s.param)];
+  }
+};
+
+struct PublisherConfig {
+  std::int64_t publish_every = 1;  // K: step() returns a message every K optimizer steps
+  int zstd_level = 1;              // 1 .. 19 (1: about as small as 3 for sparse deltas, faster)
+  std::uint64_t chunk_entries = std::uint64_t{1} << 24;  // elements per chunk at most
+};
+
+// What the last publication did.
+struct PublishReport {
+  Version version = 0;
+  Version base = no_version;  // no_version: full
+  std::uint64_t changed = 0;  // elements sent
+  std::uint64_t scanned = 0;
+  std::uint64_t guard = 0;  // of the changed ones, sent because of the guard band only
+  std::uint64_t bytes = 0;  // the message
+  std::uint64_t dense_bytes = 0;
+  Digest digest = 0;   // the trainer's state, summed over tensors
+  double seconds = 0;  // inside the publisher
+  [[nodiscard]] bool full() const noexcept { return base == no_version; }
+};
+
+template <optimizer_inverse Inverse, change_detector Detect>
+class Publisher {
+ public:
+  using Sender = SenderRank<Inverse, Detect, layout::IdentityPlan, HostExecutor>;
+
+  Publisher(const layout::ModelSpec& model, PublisherConfig cfg = {}, HostExecutor exec = {})
+      : spec_(named_by_structure(model)),
+        hf_(spec_),
+        canonical_(hf_, layout::InferTopology{}),
+        cfg_(checked(cfg)),
+        sender_(hf_, layout::TrainTopology{}, canonical_, 0, cfg.publish_every > 1, exec) {}
+
+  Publisher(const Publisher&) = delete;
+  Publisher& operator=(const Publisher&) = delete;
+
+  [[nodiscard]] const layout::HfModel& model() const noexcept { return hf_; }
+  [[nodiscard]] Version version() const noexcept { return version_; }
+  [[nodiscard]] const PublisherConfig& config() const noexcept { return cfg_; }
+  // Per canonical tensor: the trainer's BF16 state as of the last publication.
+  [[nodiscard]] const std::vector<Digest>& digest() const noexcept { return digest_; }
+  [[nodiscard]] const PublishReport& last() const noexcept { return last_; }
+  // Steps since the last publication (step() calls).
+  [[nodiscard]] std::int64_t pending_steps() const noexcept { return pending_; }
+
+  // After every optimizer step: a message every publish_every steps, else nothing (this step's
+  // changes ORed into the dirty mask). A refusal throws; the next publication is then full.
+  template <class Access>
+  std::optional<Bytes> step(const Access& access) {
+    if (pending_ + 1 < cfg_.publish_every) {
+      try {
+        (void)sender_.scan_canonical(access, pipeline::ScanMode::mark, [](auto, auto, auto) {});
+      } catch (...) {
+        need_full_ = true;
+        throw;
+      }
+      ++pending_;
+      marked_ = true;
+      return std::nullopt;
+    }
+    return publish(access, false);
+  }
+
+  // Now: a delta of everything changed since the last publication (a full one when one is due),
+  // or, want_full, every element.
+  template <class Access>
+  Bytes publish(const Access& access, bool want_full) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const bool full = want_full || need_full_ || version_ == 0;
+    const Version v = version_ + 1;
+    const Version base = full ? no_version : version_;
+    const pipeline::ScanMode mode = full      ? pipeline::ScanMode::all
+                                    : marked_ ? pipeline::ScanMode::mask
+                                              : pipeline::ScanMode::detect;
+    std::vector<Bytes> blobs;
+    ScanResult scan;
+    auto keep = [&blobs](std::uint32_t chunk, std::uint32_t writer, Bytes bytes) {
+      storage::ChunkEntry e{storage::chunk_file_name(chunk, writer), bytes.size(),
+                            storage::checksum(bytes), chunk, writer};
+      blobs.push_back(std::move(bytes));
+      return e;
+    };
+    storage::Manifest m;
+    try {
+      sender_.check_trainer(access);
+      storage::detail::ChunkSink<false, decltype(keep)> sink(hf_, {v, base, 0, 0}, cfg_.zstd_level,
+                                                             cfg_.chunk_entries, keep);
+      scan = sender_.scan_canonical(access, mode, sink);
+      sink.flush();
+      m.chunks = sink.written();
+    } catch (...) {
+      need_full_ = true;
+      throw;
+    }
+    if (mode != pipeline::ScanMode::detect) sender_.clear_masks();
+    marked_ = false;
+    pending_ = 0;
+    need_full_ = false;
+    if (full) {
+      for (auto& e : m.chunks)
+        e.file = storage::anchor_part_name(e.chunk, e.writer);
+    }
+    m.model = spec_.name;
+    m.version = v;
+    m.base = base;
+    m.writers = 1;
+    m.changed = scan.changed;
+    m.digest = scan.digest;
+    Bytes out = encode(spec_, m, blobs);
+    version_ = v;
+    digest_ = std::move(scan.digest);
+    last_ = {};
+    last_.version = v;
+    last_.base = base;
+    last_.changed = scan.changed;
+    last_.scanned = scan.scanned;
+    last_.guard = scan.guard;
+    last_.bytes = out.size();
+    last_.dense_bytes = 2 * static_cast<std::uint64_t>(hf_.total());
+    for (Digest d : digest_)
+      last_.digest += d;
+    last_.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return out;
+  }
+
+  // The next publication is full whatever happens (the caller lost track of the steps).
+  void require_full() noexcept { need_full_ = true; }
+
+ private:
+  static PublisherConfig checked(const PublisherConfig& c) {
+    if (c.publish_every < 1 || c.zstd_level < 1 || c.zstd_level > 19 || c.chunk_entries < 1) {
+      throw invalid_argument(
+          "publication::PublisherConfig: publish_every must be >= 1, zstd_level in 1..19 and "
+          "chunk_entries >= 1");
+    }
+    return c;
+  }
+
+  layout::ModelSpec spec_;
+  layout::HfModel hf_;
+  layout::SglangLayout canonical_;  // the plan's receiver side; only the runs are used
+  PublisherConfig cfg_;
+  Sender sender_;
+  Version version_ = 0;
+  std::vector<Digest> digest_;
+  PublishReport last_;
+  std::int64_t pending_ = 0;
+  bool marked_ = false;
+  bool need_full_ = false;
+};
+
+}  // namespace dte::publication

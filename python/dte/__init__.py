@@ -1,0 +1,502 @@
+# SPDX-License-Identifier: Apache-2.0
+"""dte: keep BF16 inference weights in sync with a PyTorch trainer by sending only what changed.
+
+    pub = dte.TorchPublisher(model, optimizer, detect="bf16", publish_every=1)
+    rx = dte.TorchReceiver({name: t for name, t in served.named_parameters()})
+    rx.apply(pub.publish_full())
+    ... optimizer.step(); msg = pub.step()   # bytes every publish_every steps, else None
+    if msg is not None: rx.apply(msg)
+
+The previous weights are reconstructed from the optimizer's own state (no snapshot); the
+messages are self-contained byte strings in HF coordinates, so receivers of any layout (HF
+tensors, an SGLang tensor-parallel rank, shared storage) apply the same bytes. docs/python.md
+has the whole story.
+"""
+from __future__ import annotations
+
+import json
+import os
+import types
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence
+
+from . import _native
+from ._native import (  # noqa: F401  (the exception classes, dte/error.hpp)
+    BoundsError,
+    DeadlineError,
+    Error,
+    FormatError,
+    InvalidArgument,
+    IoError,
+    NumericError,
+    ProtocolError,
+    UnsupportedError,
+)
+
+__all__ = [
+    "TorchPublisher",
+    "TorchReceiver",
+    "StorageWriter",
+    "StorageReader",
+    "replica_matches",
+    "Error",
+    "InvalidArgument",
+    "BoundsError",
+    "NumericError",
+    "UnsupportedError",
+    "FormatError",
+    "ProtocolError",
+    "IoError",
+    "DeadlineError",
+]
+
+
+def _torch():
+    import torch  # imported lazily: `import dte` works without torch
+
+    return torch
+
+
+def _config_text(config, model=None) -> str:
+    """The model's config as dte._native reads it: a preset name or config.json text."""
+    if config is None and model is not None:
+        config = getattr(model, "config", None)
+    if config is None:
+        raise InvalidArgument(
+            "dte needs the model's config (its config.json): pass config= (a dict, a path to "
+            "config.json, a transformers config or a dte preset name such as 'small-qwen3'), or "
+            "give the model a .config attribute"
+        )
+    if isinstance(config, str):
+        if os.path.isdir(config):
+            config = os.path.join(config, "config.json")
+        if os.path.isfile(config):
+            with open(config, encoding="utf-8") as f:
+                return f.read()
+        return config  # a preset name; _native refuses an unknown one by name
+    if hasattr(config, "to_dict"):  # transformers.PretrainedConfig
+        config = config.to_dict()
+    if isinstance(config, Mapping):
+        return json.dumps(dict(config))
+    raise InvalidArgument(f"config must be a dict, a path, a preset name or a transformers config, not {type(config).__name__}")
+
+
+def _infer(infer) -> tuple:
+    """An inference topology: 'tp=2', 'tp=4,ep=2', {'tp': 2} or an int (tp)."""
+    if infer is None:
+        return None
+    if isinstance(infer, int):
+        return (infer, 1)
+    if isinstance(infer, str):
+        fields = {}
+        for part in infer.split(","):
+            key, sep, value = part.strip().partition("=")
+            if not sep or key not in ("tp", "ep") or not value.isdigit():
+                raise InvalidArgument(f"infer={infer!r}: write it as 'tp=N' or 'tp=N,ep=M'")
+            fields[key] = int(value)
+        infer = fields
+    if isinstance(infer, Mapping):
+        unknown = set(infer) - {"tp", "ep"}
+        if unknown:
+            raise InvalidArgument(f"infer: unknown fields {sorted(unknown)} (tp and ep only)")
+        return (int(infer.get("tp", 1)), int(infer.get("ep", 1)))
+    raise InvalidArgument(f"infer must be 'tp=N[,ep=M]', a dict or an int, not {type(infer).__name__}")
+
+
+class TorchPublisher:
+    """The trainer side: one trainer rank holding the whole model in HF layout.
+
+    model: a torch.nn.Module whose named_parameters() are the HF tensors of its config
+    (FP32, CPU). optimizer: torch.optim.AdamW, torch.optim.Adam (L2 weight decay) or
+    torch.optim.SGD with momentum, over exactly those parameters. The parameters are moved
+    once into one flat FP32 buffer (their values and Parameter objects kept, so the optimizer
+    and its state are untouched); do not re-assign param.data afterwards.
+
+    Call step() after every optimizer.step(): it returns the next publication (bytes) every
+    publish_every steps, else None. publish_full() returns a full one at any time.
+    """
+
+    def __init__(self, model, optimizer, detect: str = "bf16", publish_every: int = 1,
+                 config=None, zstd_level: int = 1):
+        torch = _torch()
+        if detect != "bf16":
+            raise UnsupportedError(f"detect={detect!r}: the Python binding publishes BF16 (detect='bf16')")
+        if not isinstance(publish_every, int) or publish_every < 1:
+            raise InvalidArgument(f"publish_every must be an integer >= 1, not {publish_every!r}")
+        self._config = _config_text(config, model)
+        info = _native.model_info(self._config)
+        self.names: List[str] = info["names"]
+        named = dict(model.named_parameters())
+        self._params = _match_parameters(named, info, "TorchPublisher")
+        for name, p in zip(self.names, self._params):
+            if p.dtype != torch.float32:
+                raise InvalidArgument(
+                    f"parameter {name} is {p.dtype}: dte reconstructs the previous weights from the "
+                    "FP32 weights the optimizer updates; keep the parameters (master weights) in "
+                    "torch.float32")
+            if p.device.type != "cpu":
+                raise UnsupportedError(
+                    f"parameter {name} is on {p.device}: this build of the Python binding reads CPU "
+                    "tensors (the CUDA path is the C++ DeltaEngine over NCCL)")
+        kind, self._groups = _optimizer_kind(optimizer, self._params, self.names)
+        self._kind = kind
+        self._optimizer = optimizer
+        self._flat = _flatten(self._params, info)
+        self._ptrs = [p.data_ptr() for p in self._params]
+        cls = {"adamw": _native.AdamWPublisher, "adam": _native.AdamPublisher,
+               "sgd": _native.SgdPublisher}[kind]
+        self._native = cls(self._config, publish_every, zstd_level, self._flat.data_ptr(),
+                           self._flat.numel(), self._groups, kind == "adamw")
+        self._seen = 0  # optimizer steps since the last step()
+        self._used = None  # the groups' hyperparameters as the last optimizer step used them
+        self._sgd_steps = [0] * len(self._params)
+        self._state_seen: Dict[int, object] = {}
+        _hook_optimizer(optimizer, self._after_optimizer_step)
+
+    # -- what the optimizer step used (before any scheduler moves lr) --
+    def _after_optimizer_step(self):
+        self._seen += 1
+        used = []
+        for g in self._optimizer.param_groups:
+            betas = g.get("betas", (0.9, 0.999))
+            used.append(_native.Group(float(g["lr"]), float(g.get("weight_decay", 0.0)),
+                                      float(betas[0]), float(betas[1]), float(g.get("eps", 1e-8)),
+                                      float(g.get("momentum", 0.0)), float(g.get("dampening", 0.0))))
+        self._used = used
+
+    @property
+    def version(self) -> int:
+        """The version of the last publication (0: none yet)."""
+        return self._native.version
+
+    @property
+    def report(self) -> dict:
+        """What the last publication did (version, changed, bytes, seconds, ...)."""
+        return self._native.last()
+
+    def digest(self) -> tuple:
+        """Per HF tensor, the digest of the trainer's BF16 state as of the last publication."""
+        return tuple(self._native.digest())
+
+    def publish_full(self) -> bytes:
+        """Every element, now (the first publication, or to resynchronise a receiver)."""
+        self._check_flat()
+        msg = self._native.publish_full()
+        self._seen = 0
+        return msg
+
+    def step(self) -> Optional[bytes]:
+        """After each optimizer.step(): the next publication every publish_every steps, else None."""
+        if self._seen != 1:
+            seen, self._seen = self._seen, 0
+            _, _, steps = self._gather()
+            self._native.resync(steps)
+            raise ProtocolError(
+                f"TorchPublisher.step(): {seen} optimizer steps ran since the last call; dte "
+                "inverts exactly one, so call pub.step() after every optimizer.step(). The next "
+                "publication will be full")
+        self._seen = 0
+        self._check_flat()
+        a, b, steps = self._gather()
+        return self._native.step(self._used, a, b, steps)
+
+    def _gather(self):
+        """Per tensor, in canonical order: the state's addresses (0: none) and its step count."""
+        torch = _torch()
+        state = self._optimizer.state
+        a: List[int] = []
+        b: List[int] = []
+        steps: List[int] = []
+        sgd = self._kind == "sgd"
+        for t, p in enumerate(self._params):
+            st = state.get(p)
+            if not st or self._groups[t] < 0:
+                a.append(0)
+                b.append(0)
+                steps.append(self._sgd_steps[t] if sgd else 0)
+                continue
+            if sgd:
+                buf = st.get("momentum_buffer")
+                if buf is None:
+                    a.append(0)
+                    b.append(0)
+                    steps.append(self._sgd_steps[t])
+                    continue
+                self._check_state(t, buf, "momentum_buffer")
+                self._sgd_steps[t] += 1
+                a.append(buf.data_ptr())
+                b.append(0)
+                steps.append(self._sgd_steps[t])
+            else:
+                m = st["exp_avg"]
+                v = st["exp_avg_sq"]
+                self._check_state(t, m, "exp_avg")
+                self._check_state(t, v, "exp_avg_sq")
+                a.append(m.data_ptr())
+                b.append(v.data_ptr())
+                s = st["step"]
+                steps.append(int(s.item()) if isinstance(s, torch.Tensor) else int(s))
+        return a, b, steps
+
+    def _check_flat(self):
+        for name, p, ptr in zip(self.names, self._params, self._ptrs):
+            if p.data_ptr() != ptr:
+                raise InvalidArgument(
+                    f"parameter {name} no longer lives in dte's flat buffer (param.data was "
+                    "re-assigned, or the model was moved); make a new TorchPublisher")
+
+    def _check_state(self, t: int, x, what: str):
+        """A state tensor checked once per object: FP32, CPU, contiguous, the parameter's size."""
+        key = id(x)
+        if self._state_seen.get(key) is x:
+            return
+        torch = _torch()
+        p = self._params[t]
+        if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous() or x.numel() != p.numel():
+            raise InvalidArgument(
+                f"optimizer state {what} of {self.names[t]} is {x.dtype} {tuple(x.shape)} on "
+                f"{x.device}: dte reads FP32 CPU state of the parameter's shape")
+        self._state_seen[key] = x
+
+
+def _match_parameters(named: Mapping[str, object], info: dict, who: str) -> list:
+    """The tensors of `named` in the model's canonical order, every name and shape checked."""
+    names, shapes = info["names"], info["shapes"]
+    missing = [n for n in names if n not in named]
+    extra = [n for n in named if n not in set(names)]
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing[:4]}{' ...' if len(missing) > 4 else ''}")
+        if extra:
+            parts.append(f"not in the model's config {extra[:4]}{' ...' if len(extra) > 4 else ''}")
+        raise InvalidArgument(
+            f"{who}: the tensors do not match the model's config ({info['structure']}): "
+            + "; ".join(parts) + ". dte maps tensors by their HF names")
+    out = []
+    for n, shape in zip(names, shapes):
+        t = named[n]
+        if list(t.shape) != list(shape):
+            raise InvalidArgument(
+                f"{who}: tensor {n} has shape {tuple(t.shape)}, the model's config says {tuple(shape)}")
+        out.append(t)
+    return out
+
+
+def _optimizer_kind(optimizer, params: Sequence, names: Sequence[str]):
+    """Which inverse, and each tensor's parameter group; refuses what cannot be inverted."""
+    torch = _torch()
+    if isinstance(optimizer, torch.optim.AdamW):
+        kind = "adamw"
+    elif isinstance(optimizer, torch.optim.Adam):
+        kind = "adam"
+    elif isinstance(optimizer, torch.optim.SGD):
+        kind = "sgd"
+    else:
+        raise UnsupportedError(
+            f"{type(optimizer).__name__}: dte inverts torch.optim.AdamW, torch.optim.Adam and "
+            "torch.optim.SGD with momentum")
+    where: Dict[int, int] = {}
+    for g, group in enumerate(optimizer.param_groups):
+        if group.get("amsgrad", False):
+            raise UnsupportedError(
+                "amsgrad=True: the step divides by max_exp_avg_sq's running maximum, which dte does "
+                "not invert; use amsgrad=False")
+        if group.get("maximize", False):
+            raise UnsupportedError("maximize=True is not supported; minimise the negated objective")
+        if kind == "sgd":
+            if group.get("nesterov", False):
+                raise UnsupportedError("SGD(nesterov=True) cannot be inverted: the gradient is not stored")
+            if not group.get("momentum", 0.0) > 0.0:
+                raise UnsupportedError(
+                    "SGD without momentum keeps no state to invert; use momentum > 0 (e.g. 0.9)")
+        for p in group["params"]:
+            where[id(p)] = g
+    groups = []
+    known = {id(p) for p in params}
+    for n, p in zip(names, params):
+        if id(p) not in where:
+            if p.requires_grad:
+                raise InvalidArgument(
+                    f"parameter {n} is not in any of the optimizer's parameter groups but requires "
+                    "grad; add it to the optimizer, or freeze it (requires_grad=False)")
+            groups.append(-1)  # frozen: never changes
+            continue
+        groups.append(where[id(p)])
+    if any(i not in known for i in where):
+        raise InvalidArgument("the optimizer updates tensors that are not parameters of the model")
+    return kind, groups
+
+
+def _flatten(params: Sequence, info: dict):
+    """One FP32 buffer holding every parameter at its canonical offset (moved there once)."""
+    torch = _torch()
+    total, offsets = info["total"], info["offsets"]
+    first = params[0]
+    base = first.data_ptr() - 4 * offsets[0]
+    if all(p.is_contiguous() and p.data_ptr() == base + 4 * o for p, o in zip(params, offsets)):
+        try:  # already one buffer in canonical order (a trainer that flattened its parameters)
+            return first.detach().as_strided((total,), (1,), first.storage_offset() - offsets[0])
+        except RuntimeError:
+            pass  # the storage ends before the last parameter: not one buffer after all
+    flat = torch.empty(total, dtype=torch.float32)
+    with torch.no_grad():
+        for p, o in zip(params, offsets):
+            n = p.numel()
+            view = flat[o:o + n]
+            view.copy_(p.detach().reshape(-1))
+            p.data = view.view(p.shape)
+    return flat
+
+
+def _hook_optimizer(optimizer, after):
+    """Runs after() right after every optimizer.step() (before any scheduler changes lr)."""
+    if hasattr(optimizer, "register_step_post_hook"):
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: after())
+        return
+    original = optimizer.step
+
+    def step(self, *args, **kwargs):
+        out = original(*args, **kwargs)
+        after()
+        return out
+
+    # A bound method, as torch's LR schedulers expect of optimizer.step.
+    optimizer.step = types.MethodType(step, optimizer)
+
+
+class TorchReceiver:
+    """An inference worker's BF16 tensors, written in place by apply(message).
+
+    tensors: name -> torch.bfloat16 CPU tensor (contiguous). Without infer, the HF tensors of
+    the whole model (e.g. served.named_parameters()); the config may be given, or it is learnt
+    from the first (full) publication. With infer='tp=N' and rank=r, the tensors of SGLang TP
+    rank r (fused qkv_proj / gate_up_proj, vocabulary-padded embeddings; names and shapes from
+    dte.TorchReceiver.shard_tensors(config, infer, rank)); config is then required.
+    A refused message raises a dte.Error subclass and changes nothing.
+    """
+
+    def __init__(self, tensors: Mapping[str, object], config=None, infer=None, rank: int = 0):
+        self._tensors = dict(tensors)
+        self._topology = _infer(infer)
+        self._rank = rank
+        self._native = None
+        self._config = None
+        if config is not None or self._topology is not None:
+            self._bind(_config_text(config))
+
+    @staticmethod
+    def shard_tensors(config, infer, rank: int = 0) -> Dict[str, tuple]:
+        """The names and shapes of SGLang TP rank `rank`'s tensors (allocate them as BF16)."""
+        tp, ep = _infer(infer)
+        if not 0 <= rank < tp:
+            raise InvalidArgument(f"rank {rank} is not a rank of tp={tp}")
+        return {name: tuple(shape) for name, shape in _native.shard_info(_config_text(config), tp, ep)}
+
+    def _bind(self, config: str):
+        torch = _torch()
+        if self._topology is None:
+            info = _native.model_info(config)
+            ordered = _match_parameters(self._tensors, info, "TorchReceiver")
+            names = info["names"]
+        else:
+            tp, ep = self._topology
+            shards = _native.shard_info(config, tp, ep)
+            names = [n for n, _ in shards]
+            ordered = _match_parameters(
+                self._tensors, {"names": names, "shapes": [s for _, s in shards],
+                                "structure": f"SGLang tp={tp} rank {self._rank}"}, "TorchReceiver")
+        for n, t in zip(names, ordered):
+            if t.dtype != torch.bfloat16:
+                raise InvalidArgument(f"TorchReceiver: tensor {n} is {t.dtype}; receivers hold torch.bfloat16")
+            if t.device.type != "cpu" or not t.is_contiguous():
+                raise InvalidArgument(f"TorchReceiver: tensor {n} must be a contiguous CPU tensor")
+        self._ordered = ordered
+        self._ptrs = [t.data_ptr() for t in ordered]
+        numel = [t.numel() for t in ordered]
+        if self._topology is None:
+            self._native = _native.HfReceiver(config, self._ptrs, numel)
+        else:
+            tp, ep = self._topology
+            self._native = _native.ShardReceiver(config, tp, ep, self._rank, self._ptrs, numel)
+        self._config = config
+
+    @property
+    def version(self) -> Optional[int]:
+        """The version held (None: nothing yet)."""
+        return None if self._native is None else self._native.version
+
+    @property
+    def config(self) -> Optional[str]:
+        return self._config
+
+    def digest(self) -> tuple:
+        """Per HF tensor, the digest of what these tensors hold (a TP rank: its part); empty
+        until a publication is held."""
+        if self._native is None or self._native.version is None:
+            return ()
+        return tuple(self._native.digest())
+
+    def verify(self) -> bool:
+        """Whether every tensor still holds exactly what dte wrote (recomputed from every
+        element; HF receivers). A publication only notices changes to the elements it writes."""
+        if self._native is None or not isinstance(self._native, _native.HfReceiver):
+            raise InvalidArgument("verify() is for HF receivers that hold a publication")
+        return self._native.verify() == ""
+
+    def apply(self, message: bytes) -> dict:
+        """Applies one publication; returns what it did; raises a dte.Error subclass on refusal."""
+        if not isinstance(message, (bytes, bytearray)):
+            raise InvalidArgument(f"apply() takes the bytes a publisher returned, not {type(message).__name__}")
+        if self._native is None:
+            self._bind(_native.message_config(bytes(message)))
+        for t, ptr in zip(self._ordered, self._ptrs):
+            if t.data_ptr() != ptr:
+                raise InvalidArgument("a receiver tensor was re-allocated since the TorchReceiver was made; make a new one")
+        return self._native.apply(bytes(message) if isinstance(message, bytearray) else message)
+
+
+def replica_matches(receivers, digest: Sequence[int], config=None, infer=None) -> bool:
+    """Whether the TP ranks of one replica together hold exactly the trainer's state
+    (pub.digest()). receivers: the TorchReceivers of every TP rank, in one process; or, with
+    config and infer, each rank's rx.digest() gathered from the processes they run in, in rank
+    order."""
+    if config is not None or infer is not None:
+        tp, ep = _infer(infer)
+        return _native.check_replica_digests(_config_text(config), tp, ep,
+                                             [list(d) for d in receivers], list(digest)) == ""
+    ranks = [r._native for r in receivers]
+    if any(not isinstance(r, _native.ShardReceiver) for r in ranks):
+        raise InvalidArgument("replica_matches takes the TorchReceivers of every TP rank of one replica")
+    return _native.check_replica(ranks, list(digest)) == ""
+
+
+class StorageWriter:
+    """Writes each publication as the next version of a shared-storage root (docs/storage.md):
+    deltas as chunk files, full publications as anchors (Hugging Face checkpoint directories),
+    then LATEST; retention removes what no reader can need. One writer per root."""
+
+    def __init__(self, path, config):
+        self._native = _native.StorageWriter(os.fspath(path), _config_text(config))
+
+    def write(self, message: bytes) -> dict:
+        return self._native.write(message)
+
+
+class StorageReader:
+    """Keeps a TorchReceiver current from a storage root: poll() applies every version from the
+    one it holds to LATEST (from the newest anchor when it has fallen off the chain). name:
+    registers the version held, so retention keeps what this reader needs."""
+
+    def __init__(self, path, receiver: TorchReceiver, name: str = ""):
+        if receiver.config is None:
+            raise InvalidArgument("StorageReader: give the TorchReceiver its config (config=...)")
+        self._rx = receiver
+        self._source = _native.StorageSource(os.fspath(path), receiver.config, name)
+
+    def poll(self) -> dict:
+        before = self._rx.version
+        applied = []
+        for msg in self._source.since(before):
+            applied.append(self._rx.apply(msg)["version"])
+            self._source.reached(self._rx.version)
+        return {"from": before, "to": self._rx.version, "applied": applied}

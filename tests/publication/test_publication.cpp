@@ -1,0 +1,344 @@
+// SPDX-License-Identifier: Apache-2.0
+// Publication messages end to end (publication/publisher.hpp, publication/receiver.hpp): a
+// trainer holding its weights as one flat FP32 buffer (what dte.TorchPublisher makes of a
+// PyTorch model) runs AdamW; HF receivers and SGLang TP ranks apply the messages.
+//   * The golden invariant: after every publication every receiver is bit-identical to a dense
+//     BF16 conversion of the trainer's weights, with K = 1 and K = 3, for tp 2 and 4 (KV rows
+//     replicated); each replica's digests agree with the trainer's.
+//   * Refusals leave the receiver untouched: a delta before any full publication, a wrong
+//     base, an older version, a corrupted or truncated message, another model's message,
+//     tensors changed behind dte's back (HF receiver: digest), refused optimizer state on the
+//     trainer (the next publication is then full).
+#include <doctest/doctest.h>
+
+#include <unistd.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <vector>
+
+#include "dte/detect/detect.hpp"
+#include "dte/error.hpp"
+#include "dte/layout/model.hpp"
+#include "dte/numeric/round.hpp"
+#include "dte/optim/adam.hpp"
+#include "dte/publication/publisher.hpp"
+#include "dte/publication/receiver.hpp"
+#include "dte/publication/storage.hpp"
+#include "dte/sim/dense_check.hpp"
+
+using namespace dte;
+using publication::Bytes;
+
+namespace {
+
+// torch.optim.AdamW's arithmetic on one flat buffer, no decay on 1-D tensors.
+struct Trainer {
+  layout::HfModel hf;
+  std::vector<float> theta, m, v, grad;
+  double lr = 2e-4, wd = 0.1;
+  std::int64_t steps = 0;
+  std::mt19937 rng{7};
+
+  explicit Trainer(const layout::ModelSpec& spec)
+      : hf(spec),
+        theta(static_cast<std::size_t>(hf.total())),
+        m(theta.size(), 0.0f),
+        v(theta.size(), 0.0f),
+        grad(theta.size()) {
+    std::normal_distribution<float> init(0.0f, 0.05f);
+    for (float& x : theta)
+      x = init(rng);
+  }
+
+  void step() {
+    std::normal_distribution<float> noise(0.0f, 1e-2f);
+    for (float& g : grad)
+      g = noise(rng);
+    ++steps;
+    const double bc1 = 1 - std::pow(0.9, steps), bc2 = 1 - std::pow(0.999, steps);
+    for (std::int64_t t = 0; t < hf.size(); ++t) {
+      const auto& x = hf[t];
+      const auto decay = static_cast<float>(1 - lr * (x.cols == 0 ? 0.0 : wd));
+      for (std::int64_t i = x.base; i < x.base + x.numel(); ++i) {
+        const auto k = static_cast<std::size_t>(i);
+        theta[k] *= decay;
+        m[k] = 0.9f * m[k] + 0.1f * grad[k];
+        v[k] = 0.999f * v[k] + 0.001f * grad[k] * grad[k];
+        const float denom = std::sqrt(v[k]) / static_cast<float>(std::sqrt(bc2)) + 1e-8f;
+        theta[k] -= static_cast<float>(lr / bc1) * (m[k] / denom);
+      }
+    }
+  }
+
+  [[nodiscard]] publication::FlatTrainer<AdamWInverse> flat() const {
+    publication::FlatTrainer<AdamWInverse> f;
+    f.theta = theta;
+    for (std::int64_t t = 0; t < hf.size(); ++t) {
+      const auto& x = hf[t];
+      f.hyper.push_back({.lr = lr,
+                         .weight_decay = x.cols == 0 ? 0.0 : wd,
+                         .step = steps,
+                         .decay_form = DecayForm::multiply});
+      const auto part = [&](const std::vector<float>& a) {
+        return std::span<const float>(a).subspan(static_cast<std::size_t>(x.base),
+                                                 static_cast<std::size_t>(x.numel()));
+      };
+      f.state.push_back({part(m), part(v)});
+    }
+    return f;
+  }
+};
+
+using Pub = publication::Publisher<AdamWInverse, BF16Detect>;
+
+// One receiver's HF tensors, owned here.
+struct HfTensors {
+  std::vector<std::vector<std::uint16_t>> data;
+  std::vector<std::span<std::uint16_t>> views;
+  explicit HfTensors(const layout::HfModel& hf) {
+    for (std::int64_t t = 0; t < hf.size(); ++t)
+      data.emplace_back(static_cast<std::size_t>(hf[t].numel()), 0x7FC0);  // NaN: never served
+    for (auto& d : data)
+      views.emplace_back(d);
+  }
+};
+
+struct ShardTensors {
+  std::vector<std::vector<std::uint16_t>> data;
+  ReceiverTensors views;
+  ShardTensors(const layout::SglangLayout& l) {
+    for (std::int64_t k = 0; k < l.size(); ++k)
+      data.emplace_back(static_cast<std::size_t>(l[k].numel), 0);
+    for (auto& d : data)
+      views.emplace_back(d);
+  }
+};
+
+std::int64_t hf_mismatches(const layout::HfModel& hf, const std::vector<float>& theta,
+                           const HfTensors& r) {
+  std::int64_t bad = 0;
+  for (std::int64_t t = 0; t < hf.size(); ++t) {
+    for (std::int64_t i = 0; i < hf[t].numel(); ++i) {
+      bad += r.data[static_cast<std::size_t>(t)][static_cast<std::size_t>(i)] !=
+             Bf16Format::round(theta[static_cast<std::size_t>(hf[t].base + i)]);
+    }
+  }
+  return bad;
+}
+
+Bytes publish(Pub& pub, const Trainer& tr, bool full = false) {
+  const auto f = tr.flat();
+  return pub.publish(publication::FlatAccess<AdamWInverse>{&f}, full);
+}
+
+}  // namespace
+
+TEST_CASE("publication: HF receivers and SGLang TP ranks stay bit-identical, K = 1 and K = 3") {
+  for (const char* name : {"tiny-qwen3", "tiny-qwen2", "tiny-llama"}) {
+    for (std::int64_t k : {1, 3}) {
+      CAPTURE(name);
+      CAPTURE(k);
+      const layout::ModelSpec spec = layout::model_preset(name);
+      Trainer tr(spec);
+      Pub pub(spec, {.publish_every = k});
+      HfTensors hf_tensors(pub.model());
+      publication::HfReceiver hf_rx(spec, hf_tensors.views);
+      std::vector<std::unique_ptr<ShardTensors>> shard_tensors;
+      std::vector<std::unique_ptr<publication::ShardReceiver>> shards;
+      for (std::int64_t tp : {2, 4}) {
+        const layout::InferTopology topo{.tp = tp};
+        const layout::SglangLayout l(pub.model(), topo);
+        for (std::int64_t ts = 0; ts < tp; ++ts) {
+          shard_tensors.push_back(std::make_unique<ShardTensors>(l));
+          shards.push_back(std::make_unique<publication::ShardReceiver>(
+              spec, topo, ts, shard_tensors.back()->views));
+        }
+      }
+      auto apply_all = [&](const Bytes& msg) {
+        REQUIRE(hf_rx.apply(msg).outcome == ApplyOutcome::committed);
+        for (auto& s : shards)
+          REQUIRE(s->apply(msg).outcome == ApplyOutcome::committed);
+        CHECK(hf_mismatches(pub.model(), tr.theta, hf_tensors) == 0);
+        CHECK(hf_rx.digest() == pub.digest());
+        std::vector<const publication::ShardReceiver*> tp2{shards[0].get(), shards[1].get()};
+        std::vector<const publication::ShardReceiver*> tp4;
+        for (std::size_t r = 2; r < 6; ++r)
+          tp4.push_back(shards[r].get());
+        CHECK(publication::check_replica(tp2, pub.digest()).empty());
+        CHECK(publication::check_replica(tp4, pub.digest()).empty());
+        for (auto& s : shards) {
+          CHECK(sim::dense_mismatches(pub.model(), s->layout(), tr.theta, s->receiver()) == 0);
+        }
+      };
+      apply_all(publish(pub, tr));
+      CHECK(pub.last().full());
+      std::uint64_t changed = 0;
+      int published = 0;
+      for (int s = 0; s < 9; ++s) {
+        tr.step();
+        const auto f = tr.flat();
+        const std::optional<Bytes> msg = pub.step(publication::FlatAccess<AdamWInverse>{&f});
+        CHECK(msg.has_value() == ((s + 1) % k == 0));
+        if (!msg) continue;
+        ++published;
+        CHECK(!pub.last().full());
+        changed += pub.last().changed;
+        apply_all(*msg);
+      }
+      CHECK(published == 9 / k);
+      CHECK(changed > 0);
+      CHECK(changed < static_cast<std::uint64_t>(published * pub.model().total()));
+    }
+  }
+}
+
+TEST_CASE("publication: refusals leave the receiver untouched") {
+  const layout::ModelSpec spec = layout::model_preset("tiny-qwen3");
+  Trainer tr(spec);
+  Pub pub(spec);
+  HfTensors tensors(pub.model());
+  publication::HfReceiver rx(spec, tensors.views);
+  const Bytes v1 = publish(pub, tr);
+  tr.step();
+  const Bytes v2 = publish(pub, tr);
+  tr.step();
+  const Bytes v3 = publish(pub, tr);
+
+  auto untouched = [&](auto&& f, const char* what) {
+    CAPTURE(what);
+    const auto before = tensors.data;
+    const Version held = rx.version();
+    const auto digest = rx.digest();
+    CHECK_THROWS_AS(f(), dte::error);
+    CHECK(tensors.data == before);
+    CHECK(rx.version() == held);
+    CHECK(rx.digest() == digest);
+  };
+  untouched([&] { rx.apply(v2); }, "a delta before any full publication");
+  REQUIRE(rx.apply(v1).outcome == ApplyOutcome::committed);
+  untouched([&] { rx.apply(v3); }, "a delta on another base");
+  {
+    Bytes bad = v2;
+    bad[bad.size() - 5] ^= std::byte{0x10};
+    untouched([&] { rx.apply(bad); }, "a flipped bit in a chunk");
+    bad = v2;
+    bad.resize(bad.size() - 3);
+    untouched([&] { rx.apply(bad); }, "a truncated message");
+    bad = v2;
+    bad[2] = std::byte{'X'};
+    untouched([&] { rx.apply(bad); }, "not a publication");
+    untouched([&] { rx.apply(std::span<const std::byte>{}); }, "nothing");
+  }
+  {
+    Trainer other(layout::model_preset("tiny-qwen2"));
+    Pub other_pub(layout::model_preset("tiny-qwen2"));
+    const Bytes foreign = publish(other_pub, other);
+    untouched([&] { rx.apply(foreign); }, "another model's publication");
+  }
+  REQUIRE(rx.apply(v2).outcome == ApplyOutcome::committed);
+  CHECK(rx.apply(v2).outcome == ApplyOutcome::current);  // a re-delivery changes nothing
+  untouched([&] { rx.apply(v1); }, "an older version");
+  // A tensor written behind dte's back: the digest the apply would reach is not the trainer's.
+  CHECK(rx.verify().empty());
+  tensors.data[3][0] ^= 0x0001;
+  CHECK(rx.verify() == pub.model().name(3));
+  untouched([&] { rx.apply(v3); }, "tensors changed outside dte");
+  tensors.data[3][0] ^= 0x0001;
+  CHECK(rx.verify().empty());
+  REQUIRE(rx.apply(v3).outcome == ApplyOutcome::committed);
+  CHECK(hf_mismatches(pub.model(), tr.theta, tensors) == 0);
+
+  SUBCASE("a shard receiver refuses the same way") {
+    const layout::InferTopology topo{.tp = 2};
+    const layout::SglangLayout l(pub.model(), topo);
+    ShardTensors st(l);
+    publication::ShardReceiver s(spec, topo, 1, st.views);
+    const auto before = st.data;
+    CHECK_THROWS_AS(s.apply(v2), protocol_error);
+    CHECK(st.data == before);
+    CHECK(s.version() == no_version);
+    REQUIRE(s.apply(v1).outcome == ApplyOutcome::committed);
+    const auto after_v1 = st.data;
+    CHECK_THROWS_AS(s.apply(v3), protocol_error);
+    CHECK(st.data == after_v1);
+    CHECK(s.version() == 1);
+  }
+}
+
+TEST_CASE("publication: a refused optimizer state sends nothing and makes the next one full") {
+  const layout::ModelSpec spec = layout::model_preset("tiny-qwen3");
+  Trainer tr(spec);
+  Pub pub(spec);
+  HfTensors tensors(pub.model());
+  publication::HfReceiver rx(spec, tensors.views);
+  REQUIRE(rx.apply(publish(pub, tr)).committed());
+  tr.step();
+  tr.v[5] = -1.0f;  // a negative second moment: no AdamW step wrote this
+  CHECK_THROWS_AS(publish(pub, tr), dte::error);
+  CHECK(pub.version() == 1);
+  tr.v[5] = 0.0f;
+  tr.step();
+  const Bytes next = publish(pub, tr);
+  CHECK(pub.last().full());
+  CHECK(pub.version() == 2);
+  REQUIRE(rx.apply(next).committed());
+  CHECK(hf_mismatches(pub.model(), tr.theta, tensors) == 0);
+}
+
+TEST_CASE("publication: config_json gives the model back") {
+  for (const std::string& name : layout::model_preset_names()) {
+    CAPTURE(name);
+    const layout::ModelSpec m = layout::model_preset(name);
+    const layout::ModelSpec back = io::model_from_config_json(io::config_json(m), "x");
+    CHECK(back.structure() == m.structure());
+    CHECK(back.experts_per_token == m.experts_per_token);
+    CHECK(layout::HfModel(back).total() == layout::HfModel(m).total());
+  }
+}
+
+TEST_CASE("publication: through storage, a reader that keeps up and one that lags") {
+  const layout::ModelSpec spec = layout::model_preset("tiny-qwen3");
+  const auto root = std::filesystem::temp_directory_path() /
+                    ("dte-publication-storage-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(root);
+  Trainer tr(spec);
+  Pub pub(spec);
+  publication::StorageWriter writer(spec, root);
+  HfTensors near(pub.model()), lagging(pub.model());
+  publication::HfReceiver rx_near(spec, near.views), rx_lag(spec, lagging.views);
+  const publication::StorageSource source(spec, root, "lagging");
+  std::vector<float> lag_theta;
+  auto follow = [&](publication::HfReceiver& rx) {
+    const auto msgs = source.since(rx.version());
+    for (const Bytes& m : msgs)
+      REQUIRE(rx.apply(m).committed());
+    return msgs.size();
+  };
+  for (int s = 0; s < 8; ++s) {
+    if (s > 0) tr.step();
+    // every fourth a full publication: an anchor on storage
+    writer.write(publish(pub, tr, s % 4 == 0 && s > 0));
+    CHECK(follow(rx_near) == 1);
+    CHECK(hf_mismatches(pub.model(), tr.theta, near) == 0);
+    if (s == 1) {
+      CHECK(follow(rx_lag) == 2);  // the anchor v1 as a full publication, then v2
+      source.reached(rx_lag.version());
+    }
+    if (s == 1) lag_theta = tr.theta;
+  }
+  CHECK(rx_lag.version() == 2);
+  CHECK(hf_mismatches(pub.model(), lag_theta, lagging) == 0);
+  // From v2 to v8: the walk down from v8 stops at the anchor v5 (a full publication), then v6..v8.
+  CHECK(follow(rx_lag) == 4);
+  CHECK(hf_mismatches(pub.model(), tr.theta, lagging) == 0);
+  // A second writer on the root is refused; so is a publication out of order.
+  CHECK_THROWS_AS(publication::StorageWriter(spec, root), protocol_error);
+  tr.step();
+  (void)publish(pub, tr);  // v9, never written
+  tr.step();
+  CHECK_THROWS_AS(writer.write(publish(pub, tr)), protocol_error);
+  std::filesystem::remove_all(root);
+}

@@ -1,0 +1,342 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The Python binding against real torch (issue 15): a tiny Qwen3-shaped model trained with
+real autograd gradients by torch.optim; after every publication every receiver tensor equals
+param.detach().to(torch.bfloat16) bit for bit: HF receivers, SGLang TP ranks (tp = 2, sliced
+here independently of dte's C++ layout code), and readers of shared storage, one of them
+lagging. Then the refusals, each leaving the receiver untouched."""
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples", "python"))
+import dte  # noqa: E402
+import tiny_qwen3  # noqa: E402
+from tiny_qwen3 import CONFIG, TinyQwen3, batches  # noqa: E402
+
+STEPS = 60
+
+
+def bits(t):
+    return t.detach().contiguous().view(torch.int16)
+
+
+def served_like(model):
+    """An inference copy: BF16 tensors of the HF names, holding garbage until the first apply."""
+    return {n: torch.full(p.shape, float("nan"), dtype=torch.bfloat16) for n, p in model.named_parameters()}
+
+
+def sglang_shard(model, tp, ts):
+    """The expected SGLang shard of rank ts, sliced by hand (tiny_qwen3.sglang_shard)."""
+    weights = {n: q.detach().to(torch.bfloat16) for n, q in model.named_parameters()}
+    return tiny_qwen3.sglang_shard(weights, model.config, tp, ts)
+
+
+def mismatches(model, served):
+    bad = 0
+    for n, q in model.named_parameters():
+        bad += int((bits(served[n]) != bits(q.to(torch.bfloat16))).sum())
+    return bad
+
+
+def shard_mismatches(expected, shard):
+    assert set(expected) == set(shard)
+    return sum(int((bits(shard[n]) != bits(expected[n])).sum()) for n in expected)
+
+
+def adamw(model, foreach, lr=3e-3):
+    """Weight decay on matrices only, as RL trainers configure it."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95), eps=1e-8, foreach=foreach)
+
+
+def warmup_cosine(optimizer, warmup=5, total=STEPS):
+    def f(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, f)
+
+
+def train(model, optimizer, pub, on_publication, steps=STEPS, clip=1.0, schedule=True):
+    """The RL-style loop: backward, clip, step, schedule, zero_grad, then publish."""
+    sched = warmup_cosine(optimizer, total=steps) if schedule else None
+    published = 0
+    for tokens in batches(model.config, steps=steps):
+        model.loss(tokens).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        if sched:
+            sched.step()  # lr moves before pub.step(): dte must use the lr the step used
+        optimizer.zero_grad()
+        msg = pub.step()
+        if msg is not None:
+            published += 1
+            on_publication(msg)
+    return published
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_adamw_every_receiver_bit_identical(foreach, tmp_path):
+    model = TinyQwen3()
+    opt = adamw(model, foreach)
+    pub = dte.TorchPublisher(model, opt, detect="bf16", publish_every=1)
+    served = served_like(model)
+    rx = dte.TorchReceiver(served)
+    shards = [{n: torch.zeros(s, dtype=torch.bfloat16) for n, s in
+               dte.TorchReceiver.shard_tensors(CONFIG, "tp=2", ts).items()} for ts in range(2)]
+    ranks = [dte.TorchReceiver(shards[ts], config=CONFIG, infer="tp=2", rank=ts) for ts in range(2)]
+    writer = dte.StorageWriter(tmp_path, CONFIG)
+    near_t, lag_t = served_like(model), served_like(model)
+    near = dte.TorchReceiver(near_t, config=CONFIG)
+    lag = dte.TorchReceiver(lag_t, config=CONFIG)
+    near_reader = dte.StorageReader(tmp_path, near)
+    lag_reader = dte.StorageReader(tmp_path, lag, name="lagging")
+
+    full = pub.publish_full()
+    for r in [rx, *ranks]:
+        assert r.apply(full)["full"]
+    writer.write(full)
+    assert near_reader.poll()["applied"] == [1]
+    assert lag_reader.poll()["applied"] == [1]
+    sent = []
+
+    def check(msg):
+        report = rx.apply(msg)
+        assert report["outcome"] == "committed" and report["version"] == pub.version
+        assert mismatches(model, served) == 0
+        assert pub.digest() == rx.digest()
+        for ts, r in enumerate(ranks):
+            r.apply(msg)
+            assert shard_mismatches(sglang_shard(model, 2, ts), shards[ts]) == 0
+        assert dte.replica_matches(ranks, pub.digest())
+        writer.write(msg)
+        assert near_reader.poll()["applied"] == [pub.version]
+        assert mismatches(model, near_t) == 0
+        if pub.version % 7 == 0:  # the lagging reader catches up over several versions at once
+            got = lag_reader.poll()["applied"]
+            assert got and got[-1] == pub.version
+            assert mismatches(model, lag_t) == 0
+        sent.append(pub.report["changed"])
+
+    assert train(model, opt, pub, check) == STEPS
+    lag_reader.poll()
+    assert mismatches(model, lag_t) == 0
+    # The deltas are deltas: far fewer elements than the model, and never nothing.
+    total = sum(p.numel() for p in model.parameters())
+    assert all(0 < c < total for c in sent)
+    assert sum(sent) < 0.9 * total * len(sent)
+
+
+def test_publish_every_4():
+    model = TinyQwen3(seed=2)
+    opt = adamw(model, foreach=True)
+    pub = dte.TorchPublisher(model, opt, publish_every=4)
+    served = served_like(model)
+    rx = dte.TorchReceiver(served, config=CONFIG)
+    rx.apply(pub.publish_full())
+
+    def check(msg):
+        rx.apply(msg)
+        assert mismatches(model, served) == 0
+        assert pub.digest() == rx.digest()
+
+    assert train(model, opt, pub, check) == STEPS // 4
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.Adam(ps, lr=2e-3, weight_decay=0.01),
+    lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+    lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-4),
+], ids=["adam-l2", "sgd-momentum", "sgd-dampening-wd"])
+def test_other_optimizers(make):
+    model = TinyQwen3(seed=3)
+    opt = make(model.parameters())
+    pub = dte.TorchPublisher(model, opt)
+    served = served_like(model)
+    rx = dte.TorchReceiver(served)
+    rx.apply(pub.publish_full())
+
+    def check(msg):
+        rx.apply(msg)
+        assert mismatches(model, served) == 0
+        assert pub.digest() == rx.digest()
+
+    assert train(model, opt, pub, check, steps=50) == 50
+
+
+def test_a_parameter_without_gradient_is_not_a_miss():
+    """torch skips parameters whose grad is None: their step count does not move."""
+    model = TinyQwen3(seed=4)
+    opt = adamw(model, foreach=False)
+    pub = dte.TorchPublisher(model, opt)
+    served = served_like(model)
+    rx = dte.TorchReceiver(served)
+    rx.apply(pub.publish_full())
+    for i, tokens in enumerate(batches(model.config, steps=12)):
+        model.loss(tokens).backward()
+        if i % 3 == 1:
+            model.lm_head.weight.grad = None  # this step leaves lm_head alone
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        rx.apply(pub.step())
+        assert mismatches(model, served) == 0
+
+
+def test_frozen_parameters():
+    """Parameters outside the optimizer with requires_grad=False never change: sent in full once."""
+    model = TinyQwen3(seed=5)
+    model.model.embed_tokens.weight.requires_grad_(False)
+    model.model.norm.weight.requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    pub = dte.TorchPublisher(model, opt)
+    served = served_like(model)
+    rx = dte.TorchReceiver(served)
+    rx.apply(pub.publish_full())
+    frozen = bits(served["model.embed_tokens.weight"]).clone()
+    for tokens in batches(model.config, steps=8):
+        model.loss(tokens).backward()
+        opt.step()
+        opt.zero_grad()
+        rx.apply(pub.step())
+        assert mismatches(model, served) == 0
+    assert torch.equal(bits(served["model.embed_tokens.weight"]), frozen)
+    unfrozen = TinyQwen3()
+    with pytest.raises(dte.InvalidArgument, match="not in any of the optimizer"):
+        dte.TorchPublisher(unfrozen, torch.optim.AdamW(list(unfrozen.parameters())[1:]))
+
+
+# ---- refusals ----
+
+def test_refused_optimizers_and_parameters():
+    model = TinyQwen3()
+    with pytest.raises(dte.UnsupportedError, match="amsgrad"):
+        dte.TorchPublisher(model, torch.optim.AdamW(model.parameters(), amsgrad=True))
+    with pytest.raises(dte.UnsupportedError, match="momentum"):
+        dte.TorchPublisher(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(dte.UnsupportedError):
+        dte.TorchPublisher(model, torch.optim.Adagrad(model.parameters()))
+    with pytest.raises(dte.UnsupportedError, match="detect"):
+        dte.TorchPublisher(model, torch.optim.AdamW(model.parameters()), detect="fp8")
+    bf16 = TinyQwen3().to(torch.bfloat16)
+    with pytest.raises(dte.InvalidArgument, match="bfloat16"):
+        dte.TorchPublisher(bf16, torch.optim.AdamW(bf16.parameters()))
+    with pytest.raises(dte.InvalidArgument, match="config"):
+        dte.TorchPublisher(torch.nn.Linear(3, 3), torch.optim.AdamW(torch.nn.Linear(3, 3).parameters()))
+    other = dict(CONFIG, num_hidden_layers=3)
+    with pytest.raises(dte.InvalidArgument, match="missing"):
+        dte.TorchPublisher(model, torch.optim.AdamW(model.parameters()), config=other)
+    # dte.InvalidArgument is also a ValueError, and every refusal a dte.Error
+    assert issubclass(dte.InvalidArgument, ValueError) and issubclass(dte.ProtocolError, dte.Error)
+
+
+def test_refused_receiver_tensors_change_nothing():
+    model = TinyQwen3()
+    served = served_like(model)
+    before = {n: t.clone() for n, t in served.items()}
+    wrong_shape = dict(served, **{"lm_head.weight": torch.zeros(3, 64, dtype=torch.bfloat16)})
+    with pytest.raises(dte.InvalidArgument, match="shape"):
+        dte.TorchReceiver(wrong_shape, config=CONFIG)
+    wrong_dtype = dict(served, **{"model.norm.weight": torch.zeros(64)})
+    with pytest.raises(dte.InvalidArgument, match="bfloat16"):
+        dte.TorchReceiver(wrong_dtype, config=CONFIG)
+    missing = {n: t for n, t in served.items() if n != "model.norm.weight"}
+    with pytest.raises(dte.InvalidArgument, match="missing"):
+        dte.TorchReceiver(missing, config=CONFIG)
+    # Learnt from the first message: refused then, untouched.
+    opt = torch.optim.AdamW(model.parameters())
+    pub = dte.TorchPublisher(model, opt)
+    late = dte.TorchReceiver(wrong_shape)
+    with pytest.raises(dte.InvalidArgument, match="shape"):
+        late.apply(pub.publish_full())
+    for n, t in served.items():
+        assert torch.equal(bits(t), bits(before[n]))
+
+
+def test_refused_messages_leave_the_receiver_untouched():
+    model = TinyQwen3()
+    opt = adamw(model, foreach=False)
+    pub = dte.TorchPublisher(model, opt)
+    served = served_like(model)
+    rx = dte.TorchReceiver(served)
+    v1 = pub.publish_full()
+    it = batches(model.config, steps=3)
+
+    def step():
+        model.loss(next(it)).backward()
+        opt.step()
+        opt.zero_grad()
+        return pub.step()
+
+    v2, v3 = step(), step()
+
+    def untouched(msg, error, match):
+        held = rx.version
+        copy = {n: t.clone() for n, t in served.items()}
+        digest = rx.digest()
+        with pytest.raises(error, match=match):
+            rx.apply(msg)
+        assert rx.version == held and rx.digest() == digest
+        for n, t in served.items():
+            assert torch.equal(bits(t), bits(copy[n]))
+
+    untouched(v2, dte.ProtocolError, "full publication first")
+    assert rx.apply(v1)["version"] == 1
+    untouched(v3, dte.ProtocolError, "applies to version 2")  # a message for another base
+    corrupt = bytearray(v2)
+    corrupt[-10] ^= 0x40
+    untouched(bytes(corrupt), dte.FormatError, "checksum|zstd|corrupt")
+    untouched(v2[:-7], dte.FormatError, "truncated|past the end")
+    untouched(b"not a publication", dte.FormatError, "DTEPUB1")
+    other = TinyQwen3(dict(CONFIG, intermediate_size=96))
+    foreign = dte.TorchPublisher(other, torch.optim.AdamW(other.parameters())).publish_full()
+    untouched(foreign, dte.ProtocolError, "model")
+    assert rx.apply(v2)["outcome"] == "committed"
+    assert rx.apply(v2)["outcome"] == "current"  # a re-delivery changes nothing
+    untouched(v1, dte.ProtocolError, "older")
+    assert rx.verify()
+    served["lm_head.weight"].add_(1.0)  # written behind dte's back, where v3 writes too
+    assert not rx.verify()
+    untouched(v3, dte.ProtocolError, "digest")
+    rx.apply(pub.publish_full())
+    assert mismatches(model, served) == 0
+
+
+def test_a_missed_publisher_step_forces_a_full_publication():
+    model = TinyQwen3()
+    opt = adamw(model, foreach=True)
+    pub = dte.TorchPublisher(model, opt)
+    served = served_like(model)
+    rx = dte.TorchReceiver(served)
+    rx.apply(pub.publish_full())
+    it = batches(model.config, steps=6)
+    for _ in range(2):  # two optimizer steps, one pub.step()
+        model.loss(next(it)).backward()
+        opt.step()
+        opt.zero_grad()
+    with pytest.raises(dte.ProtocolError, match="2 optimizer steps"):
+        pub.step()
+    with pytest.raises(dte.ProtocolError, match="0 optimizer steps"):
+        pub.step()
+    model.loss(next(it)).backward()
+    opt.step()
+    opt.zero_grad()
+    msg = pub.step()
+    assert rx.apply(msg)["full"]
+    assert mismatches(model, served) == 0
+
+
+def test_parameters_moved_after_construction_are_refused():
+    model = TinyQwen3()
+    opt = torch.optim.AdamW(model.parameters())
+    pub = dte.TorchPublisher(model, opt)
+    model.lm_head.weight.data = model.lm_head.weight.data.clone()
+    with pytest.raises(dte.InvalidArgument, match="flat buffer"):
+        pub.publish_full()

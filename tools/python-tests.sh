@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# The Python package's tests (docs/python.md): `pip install .` into a venv made with
+# --system-site-packages over a python3 that has torch (Debian's python3-torch), then pytest.
+# tools/test.sh runs it after the C++ suite.
+#   tools/python-tests.sh [pytest arguments]
+# Environment: DTE_PYTHON_VENV (default build/pyenv), DTE_PYTHON (the interpreter with torch).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${DTE_PYTHON_VENV:-$root/build/pyenv}"
+
+python="${DTE_PYTHON:-}"
+if [ -z "$python" ]; then
+  for p in /usr/bin/python3 python3; do
+    if command -v "$p" >/dev/null && "$p" -c "import torch" 2>/dev/null; then
+      python="$p"
+      break
+    fi
+  done
+fi
+if [ -z "$python" ]; then
+  echo "python-tests: no python3 with torch; install Debian's python3-torch (tools/install-deps.sh)" >&2
+  exit 1
+fi
+if [ ! -x "$venv/bin/python" ]; then
+  "$python" -m venv --system-site-packages "$venv"
+fi
+if ! "$venv/bin/python" -c "import nanobind, scikit_build_core, pytest" 2>/dev/null; then
+  "$venv/bin/python" -m pip install -q "nanobind>=2.0" "scikit-build-core>=0.8" pytest
+fi
+# (no build isolation: the venv already has the build requirements, and a rebuild is incremental)
+"$venv/bin/python" -m pip install -q --no-build-isolation "$root"
+cd "$root/tests/python"
+"$venv/bin/python" -m pytest -q "$@"
