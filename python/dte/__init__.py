@@ -113,10 +113,15 @@ class TorchPublisher:
 
     Call step() after every optimizer.step(): it returns the next publication (bytes) every
     publish_every steps, else None. publish_full() returns a full one at any time.
+
+    continue_after: a trainer that restarted continues the version numbering its receivers and
+    storage root follow (give the last version published, e.g. a receiver's rx.version or the
+    root's LATEST): its first publication is then that + 1, full. Receivers never move back, so
+    a restarted publisher starting again at 1 would be refused.
     """
 
     def __init__(self, model, optimizer, detect: str = "bf16", publish_every: int = 1,
-                 config=None, zstd_level: int = 1):
+                 config=None, zstd_level: int = 1, continue_after: int = 0):
         torch = _torch()
         if detect != "bf16":
             raise UnsupportedError(f"detect={detect!r}: the Python binding publishes BF16 (detect='bf16')")
@@ -146,10 +151,14 @@ class TorchPublisher:
                "sgd": _native.SgdPublisher}[kind]
         self._native = cls(self._config, publish_every, zstd_level, self._flat.data_ptr(),
                            self._flat.numel(), self._groups, kind == "adamw")
+        if continue_after:
+            self._native.continue_after(int(continue_after))
         self._seen = 0  # optimizer steps since the last step()
         self._used = None  # the groups' hyperparameters as the last optimizer step used them
         self._sgd_steps = [0] * len(self._params)
         self._state_seen: Dict[int, object] = {}
+        # The optimizer may have stepped before (a resumed run): its step counts are the start.
+        self._native.resync(self._gather()[2])
         _hook_optimizer(optimizer, self._after_optimizer_step)
 
     # -- what the optimizer step used (before any scheduler moves lr) --

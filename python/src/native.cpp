@@ -185,6 +185,7 @@ class PyPublisher {
   }
 
   void require_full() { pub_.require_full(); }
+  void continue_after(std::uint64_t v) { pub_.continue_after(v); }
   // The caller lost track of the optimizer steps: the next publication is full, and the step
   // counts are taken as they are now.
   void resync(const std::vector<std::int64_t>& steps) {
@@ -295,6 +296,7 @@ void bind_publisher(nb::module_& m, const char* name) {
       .def("publish_full", &PyPublisher<Inverse>::publish_full)
       .def("require_full", &PyPublisher<Inverse>::require_full)
       .def("resync", &PyPublisher<Inverse>::resync)
+      .def("continue_after", &PyPublisher<Inverse>::continue_after)
       .def_prop_ro("version", &PyPublisher<Inverse>::version)
       .def_prop_ro("pending", &PyPublisher<Inverse>::pending)
       .def("digest", &PyPublisher<Inverse>::digest)

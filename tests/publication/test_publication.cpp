@@ -342,3 +342,25 @@ TEST_CASE("publication: through storage, a reader that keeps up and one that lag
   CHECK_THROWS_AS(writer.write(publish(pub, tr)), protocol_error);
   std::filesystem::remove_all(root);
 }
+
+TEST_CASE("publication: a restarted publisher continues the numbering its receivers follow") {
+  const layout::ModelSpec spec = layout::model_preset("tiny-qwen3");
+  Trainer tr(spec);
+  Pub pub(spec);
+  HfTensors tensors(pub.model());
+  publication::HfReceiver rx(spec, tensors.views);
+  REQUIRE(rx.apply(publish(pub, tr)).committed());
+  tr.step();
+  REQUIRE(rx.apply(publish(pub, tr)).committed());
+  Pub again(spec);  // from 1 again: older than what the receiver holds
+  CHECK_THROWS_AS(rx.apply(publish(again, tr)), protocol_error);
+  Pub resumed(spec);
+  resumed.continue_after(rx.version());
+  tr.step();
+  const Bytes next = publish(resumed, tr);
+  CHECK(resumed.last().full());
+  CHECK(resumed.version() == 3);
+  REQUIRE(rx.apply(next).committed());
+  CHECK(hf_mismatches(pub.model(), tr.theta, tensors) == 0);
+  CHECK_THROWS_AS(resumed.continue_after(7), invalid_argument);
+}

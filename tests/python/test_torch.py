@@ -333,6 +333,40 @@ def test_a_missed_publisher_step_forces_a_full_publication():
     assert mismatches(model, served) == 0
 
 
+def test_a_restarted_trainer_continues_the_numbering(tmp_path):
+    """Receivers and storage never move back: a new publisher continues after the last version."""
+    model = TinyQwen3(seed=6)
+    opt = adamw(model, foreach=True)
+    pub = dte.TorchPublisher(model, opt)
+    served = served_like(model)
+    rx = dte.TorchReceiver(served)
+    writer = dte.StorageWriter(tmp_path / "root", CONFIG)
+    first = pub.publish_full()
+    rx.apply(first)
+    writer.write(first)
+    it = batches(model.config, steps=6)
+    for _ in range(3):
+        model.loss(next(it)).backward()
+        opt.step()
+        opt.zero_grad()
+        msg = pub.step()
+        rx.apply(msg)
+        writer.write(msg)
+    del writer  # the trainer process ends: its writer lock goes with it
+    restarted = dte.TorchPublisher(model, opt)  # numbering from 1 again: refused as older
+    with pytest.raises(dte.ProtocolError, match="older"):
+        rx.apply(restarted.publish_full())
+    resumed = dte.TorchPublisher(model, opt, continue_after=rx.version)
+    writer = dte.StorageWriter(tmp_path / "root", CONFIG)
+    model.loss(next(it)).backward()
+    opt.step()
+    opt.zero_grad()
+    msg = resumed.step()
+    assert rx.apply(msg)["full"] and rx.version == 5
+    assert writer.write(msg)["version"] == 5
+    assert mismatches(model, served) == 0
+
+
 def test_parameters_moved_after_construction_are_refused():
     model = TinyQwen3()
     opt = torch.optim.AdamW(model.parameters())

@@ -191,6 +191,24 @@ class Publisher {
   // The next publication is full whatever happens (the caller lost track of the steps).
   void require_full() noexcept { need_full_ = true; }
 
+  // A trainer that restarted (resumed from a checkpoint) continues the numbering of the run its
+  // receivers and storage root follow: the first publication is then v + 1 (full), which they
+  // accept as newer than what they hold. Before the first publication only.
+  void continue_after(Version v) {
+    if (version_ != 0 && v != version_) {
+      throw invalid_argument(
+          "publication::Publisher::continue_after: this publisher already "
+          "published v" +
+          std::to_string(version_) + "; continue_after is for a new publisher, before its first");
+    }
+    if (v >= static_cast<Version>(storage::max_version)) {
+      throw bounds_error("publication::Publisher::continue_after: version " + std::to_string(v) +
+                         " is at or above the largest a manifest holds (2^62)");
+    }
+    version_ = v;
+    need_full_ = true;
+  }
+
  private:
   static PublisherConfig checked(const PublisherConfig& c) {
     if (c.publish_every < 1 || c.zstd_level < 1 || c.zstd_level > 19 || c.chunk_entries < 1) {

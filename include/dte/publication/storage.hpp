@@ -72,7 +72,8 @@ class StorageWriter {
           (top == 0 ? std::string("an empty root") : "version " + std::to_string(top)) + " in '" +
           root_.string() + "'" +
           (top != 0 && written_ == 0 ? " (written by another publisher: use an empty root)" : "") +
-          "; write every publication of one publisher, in order, from its first (full) one");
+          "; write every publication of one publisher, in order, from its first (full) one "
+          "(after a failed write, a full one: TorchPublisher.publish_full())");
     }
     const std::filesystem::path dir = storage::version_dir(root_, m.version);
     storage::clear_unfinished(dir);
