@@ -129,6 +129,15 @@ std::int64_t hf_mismatches(const layout::HfModel& hf, const std::vector<float>& 
   return bad;
 }
 
+// A trainer, its publisher, and one HF receiver over tensors owned here.
+struct Single {
+  layout::ModelSpec spec = layout::model_preset("tiny-qwen3");
+  Trainer tr{spec};
+  Pub pub{spec};
+  HfTensors tensors{pub.model()};
+  publication::HfReceiver rx{spec, tensors.views};
+};
+
 Bytes publish(Pub& pub, const Trainer& tr, bool full = false) {
   const auto f = tr.flat();
   return pub.publish(publication::FlatAccess<AdamWInverse>{&f}, full);
@@ -195,12 +204,7 @@ TEST_CASE("publication: HF receivers and SGLang TP ranks stay bit-identical, K =
   }
 }
 
-TEST_CASE("publication: refusals leave the receiver untouched") {
-  const layout::ModelSpec spec = layout::model_preset("tiny-qwen3");
-  Trainer tr(spec);
-  Pub pub(spec);
-  HfTensors tensors(pub.model());
-  publication::HfReceiver rx(spec, tensors.views);
+TEST_CASE_FIXTURE(Single, "publication: refusals leave the receiver untouched") {
   const Bytes v1 = publish(pub, tr);
   tr.step();
   const Bytes v2 = publish(pub, tr);
@@ -268,12 +272,8 @@ TEST_CASE("publication: refusals leave the receiver untouched") {
   }
 }
 
-TEST_CASE("publication: a refused optimizer state sends nothing and makes the next one full") {
-  const layout::ModelSpec spec = layout::model_preset("tiny-qwen3");
-  Trainer tr(spec);
-  Pub pub(spec);
-  HfTensors tensors(pub.model());
-  publication::HfReceiver rx(spec, tensors.views);
+TEST_CASE_FIXTURE(
+    Single, "publication: a refused optimizer state sends nothing and makes the next one full") {
   REQUIRE(rx.apply(publish(pub, tr)).committed());
   tr.step();
   tr.v[5] = -1.0f;  // a negative second moment: no AdamW step wrote this
@@ -343,12 +343,8 @@ TEST_CASE("publication: through storage, a reader that keeps up and one that lag
   std::filesystem::remove_all(root);
 }
 
-TEST_CASE("publication: a restarted publisher continues the numbering its receivers follow") {
-  const layout::ModelSpec spec = layout::model_preset("tiny-qwen3");
-  Trainer tr(spec);
-  Pub pub(spec);
-  HfTensors tensors(pub.model());
-  publication::HfReceiver rx(spec, tensors.views);
+TEST_CASE_FIXTURE(
+    Single, "publication: a restarted publisher continues the numbering its receivers follow") {
   REQUIRE(rx.apply(publish(pub, tr)).committed());
   tr.step();
   REQUIRE(rx.apply(publish(pub, tr)).committed());
