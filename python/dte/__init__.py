@@ -158,7 +158,7 @@ class TorchPublisher:
         self._sgd_steps = [0] * len(self._params)
         self._state_seen: Dict[int, object] = {}
         # The optimizer may have stepped before (a resumed run): its step counts are the start.
-        self._native.resync(self._gather()[2])
+        self._native.resync(self._gather()[2], False)
         _hook_optimizer(optimizer, self._after_optimizer_step)
 
     # -- what the optimizer step used (before any scheduler moves lr) --
@@ -189,7 +189,9 @@ class TorchPublisher:
     def publish_full(self) -> bytes:
         """Every element, now (the first publication, or to resynchronise a receiver)."""
         self._check_flat()
+        steps = self._gather()[2]
         msg = self._native.publish_full()
+        self._native.resync(steps, False)  # the next step() inverts the step after this one
         self._seen = 0
         return msg
 
@@ -198,7 +200,7 @@ class TorchPublisher:
         if self._seen != 1:
             seen, self._seen = self._seen, 0
             _, _, steps = self._gather()
-            self._native.resync(steps)
+            self._native.resync(steps, True)
             raise ProtocolError(
                 f"TorchPublisher.step(): {seen} optimizer steps ran since the last call; dte "
                 "inverts exactly one, so call pub.step() after every optimizer.step(). The next "

@@ -186,15 +186,17 @@ class PyPublisher {
 
   void require_full() { pub_.require_full(); }
   void continue_after(std::uint64_t v) { pub_.continue_after(v); }
-  // The caller lost track of the optimizer steps: the next publication is full, and the step
-  // counts are taken as they are now.
-  void resync(const std::vector<std::int64_t>& steps) {
+  // The step counts as they are now are the start of the next step (a new publisher over an
+  // optimizer that stepped before, or a full publication); full: the caller lost track of the
+  // optimizer steps, so the next publication is full.
+  void resync(const std::vector<std::int64_t>& steps, bool full) {
     if (steps.size() != last_step_.size()) {
       throw dte::invalid_argument("dte._native publisher: per-tensor lists of the wrong length");
     }
     last_step_ = steps;
-    pub_.require_full();
+    if (full) pub_.require_full();
   }
+
   [[nodiscard]] std::uint64_t version() const { return pub_.version(); }
   [[nodiscard]] std::int64_t pending() const { return pub_.pending_steps(); }
   [[nodiscard]] std::vector<std::uint32_t> digest() const { return pub_.digest(); }

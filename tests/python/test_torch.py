@@ -333,6 +333,31 @@ def test_a_missed_publisher_step_forces_a_full_publication():
     assert mismatches(model, served) == 0
 
 
+@pytest.mark.parametrize("every", [1, 3])
+def test_a_full_publication_in_the_middle(every):
+    """publish_full() at any step (a receiver to resynchronise), then deltas again."""
+    model = TinyQwen3(seed=7)
+    opt = adamw(model, foreach=False)
+    pub = dte.TorchPublisher(model, opt, publish_every=every)
+    served = served_like(model)
+    rx = dte.TorchReceiver(served)
+    rx.apply(pub.publish_full())
+    for i, tokens in enumerate(batches(model.config, steps=14)):
+        model.loss(tokens).backward()
+        opt.step()
+        opt.zero_grad()
+        if i in (4, 8):
+            rep = rx.apply(pub.publish_full())  # instead of this step's pub.step()
+            assert rep["full"]
+            assert mismatches(model, served) == 0
+            continue
+        msg = pub.step()
+        if msg is not None:
+            assert not rx.apply(msg)["full"]
+            assert mismatches(model, served) == 0
+    assert pub.digest() == rx.digest()
+
+
 def test_a_restarted_trainer_continues_the_numbering(tmp_path):
     """Receivers and storage never move back: a new publisher continues after the last version."""
     model = TinyQwen3(seed=6)
