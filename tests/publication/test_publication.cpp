@@ -4,7 +4,8 @@
 // PyTorch model) runs AdamW; HF receivers and SGLang TP ranks apply the messages.
 //   * The golden invariant: after every publication every receiver is bit-identical to a dense
 //     BF16 conversion of the trainer's weights, with K = 1 and K = 3, for tp 2 and 4 (KV rows
-//     replicated); each replica's digests agree with the trainer's.
+//     replicated), on every tiny family (Qwen3, Qwen2 biases, Llama, tied Qwen3, Qwen3-MoE);
+//     each replica's digests agree with the trainer's.
 //   * Refusals leave the receiver untouched: a delta before any full publication, a wrong
 //     base, an older version, a corrupted or truncated message, another model's message,
 //     tensors changed behind dte's back (HF receiver: digest), refused optimizer state on the
@@ -146,7 +147,8 @@ Bytes publish(Pub& pub, const Trainer& tr, bool full = false) {
 }  // namespace
 
 TEST_CASE("publication: HF receivers and SGLang TP ranks stay bit-identical, K = 1 and K = 3") {
-  for (const char* name : {"tiny-qwen3", "tiny-qwen2", "tiny-llama"}) {
+  for (const char* name :
+       {"tiny-qwen3", "tiny-qwen2", "tiny-llama", "tiny-qwen3-tied", "tiny-qwen3-moe"}) {
     for (std::int64_t k : {1, 3}) {
       CAPTURE(name);
       CAPTURE(k);
