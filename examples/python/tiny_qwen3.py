@@ -128,8 +128,7 @@ def sglang_shard(weights, config, tp, ts):
     oracle independent of dte's C++ layout code, for configs with kv_heads divisible by tp and
     a vocabulary SGLang does not pad (a multiple of 64 * tp)."""
     c = config
-    V, d, F = c["vocab_size"], c["head_dim"], c["intermediate_size"]
-    assert c["num_key_value_heads"] % tp == 0 and V % (64 * tp) == 0
+    assert c["num_key_value_heads"] % tp == 0 and c["vocab_size"] % (64 * tp) == 0
 
     def rows(x):
         n = x.shape[0] // tp

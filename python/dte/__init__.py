@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import types
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence
 
 from . import _native
 from ._native import (  # noqa: F401  (the exception classes, dte/error.hpp)
@@ -272,8 +272,9 @@ class TorchPublisher:
 def _match_parameters(named: Mapping[str, object], info: dict, who: str) -> list:
     """The tensors of `named` in the model's canonical order, every name and shape checked."""
     names, shapes = info["names"], info["shapes"]
+    known = set(names)
     missing = [n for n in names if n not in named]
-    extra = [n for n in named if n not in set(names)]
+    extra = [n for n in named if n not in known]
     if missing or extra:
         parts = []
         if missing:

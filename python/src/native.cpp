@@ -198,7 +198,6 @@ class PyPublisher {
   }
 
   [[nodiscard]] std::uint64_t version() const { return pub_.version(); }
-  [[nodiscard]] std::int64_t pending() const { return pub_.pending_steps(); }
   [[nodiscard]] std::vector<std::uint32_t> digest() const { return pub_.digest(); }
   [[nodiscard]] nb::dict last() const { return publish_dict(pub_.last()); }
 
@@ -300,7 +299,6 @@ void bind_publisher(nb::module_& m, const char* name) {
       .def("resync", &PyPublisher<Inverse>::resync)
       .def("continue_after", &PyPublisher<Inverse>::continue_after)
       .def_prop_ro("version", &PyPublisher<Inverse>::version)
-      .def_prop_ro("pending", &PyPublisher<Inverse>::pending)
       .def("digest", &PyPublisher<Inverse>::digest)
       .def("last", &PyPublisher<Inverse>::last);
 }

@@ -130,16 +130,10 @@ inline Envelope envelope(std::span<const std::byte> bytes, const std::string& so
   return e;
 }
 
-// The model a message is for (named by structure).
-inline layout::ModelSpec model_of(const Envelope& e, const std::string& source) {
-  return named_by_structure(io::model_from_config_json(e.config, source + " config"));
-}
-
 // A message checked against the receiver's model: the manifest, and each chunk's bytes.
 struct View {
   storage::Manifest manifest;
   std::vector<std::span<const std::byte>> chunks;
-  [[nodiscard]] bool full() const noexcept { return manifest.anchor(); }
 };
 
 inline View decode(const layout::HfModel& hf, std::span<const std::byte> bytes,

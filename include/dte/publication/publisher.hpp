@@ -101,12 +101,9 @@ class Publisher {
 
   [[nodiscard]] const layout::HfModel& model() const noexcept { return hf_; }
   [[nodiscard]] Version version() const noexcept { return version_; }
-  [[nodiscard]] const PublisherConfig& config() const noexcept { return cfg_; }
   // Per canonical tensor: the trainer's BF16 state as of the last publication.
   [[nodiscard]] const std::vector<Digest>& digest() const noexcept { return digest_; }
   [[nodiscard]] const PublishReport& last() const noexcept { return last_; }
-  // Steps since the last publication (step() calls).
-  [[nodiscard]] std::int64_t pending_steps() const noexcept { return pending_; }
 
   // After every optimizer step: a message every publish_every steps, else nothing (this step's
   // changes ORed into the dirty mask). A refusal throws; the next publication is then full.
@@ -139,17 +136,11 @@ class Publisher {
                                               : pipeline::ScanMode::detect;
     std::vector<Bytes> blobs;
     ScanResult scan;
-    auto keep = [&blobs](std::uint32_t chunk, std::uint32_t writer, Bytes bytes) {
-      storage::ChunkEntry e{storage::chunk_file_name(chunk, writer), bytes.size(),
-                            storage::checksum(bytes), chunk, writer};
-      blobs.push_back(std::move(bytes));
-      return e;
-    };
     storage::Manifest m;
     try {
       sender_.check_trainer(access);
-      storage::detail::ChunkSink<false, decltype(keep)> sink(hf_, {v, base, 0, 0}, cfg_.zstd_level,
-                                                             cfg_.chunk_entries, keep);
+      storage::detail::ChunkSink<false, storage::detail::ChunkMemory> sink(
+          hf_, {v, base, 0, 0}, cfg_.zstd_level, cfg_.chunk_entries, {&blobs, full});
       scan = sender_.scan_canonical(access, mode, sink);
       sink.flush();
       m.chunks = sink.written();
@@ -161,10 +152,6 @@ class Publisher {
     marked_ = false;
     pending_ = 0;
     need_full_ = false;
-    if (full) {
-      for (auto& e : m.chunks)
-        e.file = storage::anchor_part_name(e.chunk, e.writer);
-    }
     m.model = spec_.name;
     m.version = v;
     m.base = base;

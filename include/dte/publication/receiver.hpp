@@ -24,6 +24,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -113,6 +114,30 @@ inline void check_coverage(const layout::HfModel& hf, const storage::Manifest& m
   }
 }
 
+// A message read for a receiver holding `held`: decoded, on the version chain, every chunk
+// decoded and covering what it must. Nothing for a re-delivery of the version held (rep says
+// current); rep's base and bytes are filled either way.
+struct Staged {
+  storage::Manifest manifest;
+  std::vector<storage::Chunk> chunks;
+};
+
+inline std::optional<Staged> stage(const layout::HfModel& hf, std::span<const std::byte> bytes,
+                                   Version held, const std::string& who, ApplyReport& rep) {
+  View v = decode(hf, bytes, "publication");
+  rep.base = v.manifest.base;
+  rep.bytes = bytes.size();
+  if (redelivery(v.manifest, held, who)) {
+    rep.outcome = ApplyOutcome::current;
+    rep.version = held;
+    return std::nullopt;
+  }
+  std::vector<storage::Chunk> cs =
+      chunks(hf, v, "publication v" + std::to_string(v.manifest.version));
+  check_coverage(hf, v.manifest, cs, who);
+  return Staged{std::move(v.manifest), std::move(cs)};
+}
+
 }  // namespace detail
 
 class HfReceiver {
@@ -158,19 +183,11 @@ class HfReceiver {
   ApplyReport apply(std::span<const std::byte> bytes) {
     const auto t0 = std::chrono::steady_clock::now();
     const std::string who = "HfReceiver (holding " + held_text() + ")";
-    const View v = decode(hf_, bytes, "publication");
-    const storage::Manifest& m = v.manifest;
     ApplyReport rep;
-    rep.base = m.base;
-    rep.bytes = bytes.size();
-    if (detail::redelivery(m, version_, who)) {
-      rep.outcome = ApplyOutcome::current;
-      rep.version = version_;
-      return rep;
-    }
-    const std::vector<storage::Chunk> cs =
-        chunks(hf_, v, "publication v" + std::to_string(m.version));
-    detail::check_coverage(hf_, m, cs, who);
+    const std::optional<detail::Staged> staged = detail::stage(hf_, bytes, version_, who, rep);
+    if (!staged) return rep;
+    const storage::Manifest& m = staged->manifest;
+    const std::vector<storage::Chunk>& cs = staged->chunks;
     // The digest after the writes, from the values they overwrite; the XOR encoding's values
     // are decoded against them.
     std::vector<Digest> after = m.anchor() ? std::vector<Digest>(digest_.size(), 0) : digest_;
@@ -257,19 +274,12 @@ class ShardReceiver {
   ApplyReport apply(std::span<const std::byte> bytes) {
     const auto t0 = std::chrono::steady_clock::now();
     const std::string who = "ShardReceiver (TP rank " + std::to_string(ts_) + ")";
-    const View v = decode(hf_, bytes, "publication");
-    const storage::Manifest& m = v.manifest;
     ApplyReport rep;
-    rep.base = m.base;
-    rep.bytes = bytes.size();
-    if (detail::redelivery(m, receiver_.version(), who)) {
-      rep.outcome = ApplyOutcome::current;
-      rep.version = receiver_.version();
-      return rep;
-    }
-    const std::vector<storage::Chunk> cs =
-        chunks(hf_, v, "publication v" + std::to_string(m.version));
-    detail::check_coverage(hf_, m, cs, who);
+    const std::optional<detail::Staged> staged =
+        detail::stage(hf_, bytes, receiver_.version(), who, rep);
+    if (!staged) return rep;
+    const storage::Manifest& m = staged->manifest;
+    const std::vector<storage::Chunk>& cs = staged->chunks;
     // This rank's copies of every element, as the engine's message to it.
     wire::MessageWriter w;
     w.begin();

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
 #include <filesystem>
 #include <optional>
 #include <string>
@@ -121,18 +122,8 @@ class StorageSource {
       throw protocol_error("LATEST in '" + root_.string() + "' is " + std::to_string(*latest) +
                            ", older than the version " + std::to_string(held) + " held");
     }
-    std::vector<storage::Manifest> chain;  // newest first
-    for (Version at = *latest;;) {
-      if (chain.size() == max_chain_) {
-        throw bounds_error("no anchor within " + std::to_string(max_chain_) + " versions below " +
-                           std::to_string(*latest) +
-                           " and the version held is not on the chain; anchor more often");
-      }
-      chain.push_back(storage::read_manifest(hf_, root_, at));
-      const storage::Manifest& m = chain.back();
-      if (m.anchor() || (held != no_version && m.base == held)) break;
-      at = m.base;
-    }
+    const std::vector<storage::Manifest> chain =
+        storage::chain_to(hf_, root_, *latest, held, max_chain_);
     std::vector<Bytes> out;
     for (auto it = chain.rbegin(); it != chain.rend(); ++it)
       out.push_back(it->anchor() ? anchor_message(*it) : delta_message(*it));
@@ -154,47 +145,20 @@ class StorageSource {
   }
 
   // An anchor's checkpoint, every element checked by read_anchor, as one full publication in
-  // chunks of at most chunk_entries elements (a tensor larger than that spans several).
+  // chunks of at most 2^24 elements (a tensor larger than that spans several).
   [[nodiscard]] Bytes anchor_message(const storage::Manifest& anchor) const {
-    constexpr std::size_t chunk_entries = std::size_t{1} << 24;
-    const std::filesystem::path dir = storage::version_dir(root_, anchor.version);
-    std::vector<std::vector<std::uint16_t>> tensors(static_cast<std::size_t>(hf_.size()));
-    (void)storage::read_anchor(hf_, dir, anchor, [&](std::int64_t t, auto&& bits) {
-      tensors[static_cast<std::size_t>(t)].assign(bits.begin(), bits.end());
-    });
-    storage::Manifest m = anchor;
-    m.chunks.clear();
     std::vector<Bytes> blobs;
-    storage::Chunk c;
-    std::size_t pending = 0;
-    auto flush = [&] {
-      if (pending == 0) return;
-      const auto k = static_cast<std::uint32_t>(blobs.size());
-      c.header = {anchor.version, no_version, k, 0};
-      blobs.push_back(storage::encode_chunk(hf_, c, 1));
-      m.chunks.push_back({storage::anchor_part_name(k, 0), blobs.back().size(),
-                          storage::checksum(blobs.back()), k, 0});
-      c.tensors.clear();
-      pending = 0;
-    };
-    for (std::size_t t = 0; t < tensors.size(); ++t) {
-      for (std::size_t at = 0; at < tensors[t].size();) {
-        const std::size_t n = std::min(tensors[t].size() - at, chunk_entries - pending);
-        storage::TensorDelta d;
-        d.tensor = static_cast<std::int64_t>(t);
-        d.index.resize(n);
-        for (std::size_t i = 0; i < n; ++i)
-          d.index[i] = static_cast<std::uint32_t>(at + i);
-        d.bits.assign(tensors[t].begin() + static_cast<std::ptrdiff_t>(at),
-                      tensors[t].begin() + static_cast<std::ptrdiff_t>(at + n));
-        c.tensors.push_back(std::move(d));
-        pending += n;
-        at += n;
-        if (pending == chunk_entries) flush();
-      }
-      std::vector<std::uint16_t>().swap(tensors[t]);
-    }
-    flush();
+    storage::detail::ChunkSink<false, storage::detail::ChunkMemory> sink(
+        hf_, {anchor.version, no_version, 0, 0}, 1, std::uint64_t{1} << 24, {&blobs, true});
+    (void)storage::read_anchor(hf_, storage::version_dir(root_, anchor.version), anchor,
+                               [&](std::int64_t t, const auto& bits) {
+                                 for (std::size_t i = 0; i < bits.size(); ++i)
+                                   sink(static_cast<std::uint32_t>(t),
+                                        static_cast<std::uint32_t>(i), bits[i]);
+                               });
+    sink.flush();
+    storage::Manifest m = anchor;
+    m.chunks = sink.written();
     return encode(spec_, m, blobs);
   }
 

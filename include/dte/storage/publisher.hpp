@@ -117,8 +117,21 @@ struct ChunkFiles {
   }
 };
 
+// ... or kept in memory, in order: a publication message's chunks (publication/message.hpp).
+struct ChunkMemory {
+  std::vector<std::vector<std::byte>>* blobs;
+  bool anchor = false;
+  ChunkEntry operator()(std::uint32_t chunk, std::uint32_t writer,
+                        std::vector<std::byte> bytes) const {
+    ChunkEntry e{anchor ? anchor_part_name(chunk, writer) : chunk_file_name(chunk, writer),
+                 bytes.size(), checksum(bytes), chunk, writer};
+    blobs->push_back(std::move(bytes));
+    return e;
+  }
+};
+
 // One writer's chunks of one version, filled in shard order by the pipeline's emitter and handed
-// to `store` (ChunkFiles, or memory: publication/publisher.hpp) as each fills. Xor: every changed
+// to `store` (ChunkFiles or ChunkMemory) as each fills. Xor: every changed
 // element whose previous value the reconstruction knows for certain goes into an XOR chunk (new
 // bits XOR previous bits), the few others into a value chunk beside it.
 template <bool Xor, class Store>

@@ -110,6 +110,26 @@ std::uint64_t read_anchor(const layout::HfModel& hf, const std::filesystem::path
   return bytes;
 }
 
+// The manifests from version `target` down along their bases to the one whose base is `held`,
+// or to the newest anchor at or below target when held (no_version: nothing) is not on the
+// chain; newest first, at most max_chain of them (step 2 above).
+inline std::vector<Manifest> chain_to(const layout::HfModel& hf, const std::filesystem::path& root,
+                                      Version target, Version held, std::size_t max_chain) {
+  std::vector<Manifest> chain;
+  for (Version at = target;;) {
+    if (chain.size() == max_chain) {
+      throw bounds_error("no anchor within " + std::to_string(max_chain) + " versions below " +
+                         std::to_string(target) +
+                         " and the version held is not on the chain; anchor more often");
+    }
+    chain.push_back(read_manifest(hf, root, at));
+    const Manifest& m = chain.back();
+    if (m.anchor() || (held != no_version && m.base == held)) break;
+    at = m.base;
+  }
+  return chain;
+}
+
 class Reader {
  public:
   // Whole replicas `replicas` of `layout`; tensors[k] are the views of receiver rank
@@ -176,18 +196,7 @@ class Reader {
                              std::to_string(held) + " held; a reader never moves backwards");
       }
       if (held == target) return rep;
-      std::vector<Manifest> chain;  // newest first
-      for (Version at = target;;) {
-        if (chain.size() == cfg_.max_chain) {
-          throw bounds_error("no anchor within " + std::to_string(cfg_.max_chain) +
-                             " versions below " + std::to_string(target) +
-                             " and the version held is not on the chain; anchor more often");
-        }
-        chain.push_back(read_manifest(*hf_, root_, at));
-        const Manifest& m = chain.back();
-        if (m.anchor() || (held != no_version && m.base == held)) break;
-        at = m.base;
-      }
+      const std::vector<Manifest> chain = chain_to(*hf_, root_, target, held, cfg_.max_chain);
       for (auto it = chain.rbegin(); it != chain.rend(); ++it) {
         apply(*it, rep);
         rep.applied.push_back(it->version);
