@@ -56,6 +56,7 @@ concept change_detector = requires {
   { D::store(x) } -> std::same_as<std::uint16_t>;
   { D::classify(x, r) } -> std::same_as<Verdict>;
   { D::changed(x, r) } -> std::same_as<bool>;
+  { D::previous(r) } -> std::same_as<PreviousBits>;
 };
 
 // Maps a trainer parameter element to its canonical (HF) element, per trainer rank:

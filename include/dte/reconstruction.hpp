@@ -21,6 +21,18 @@ struct Reconstruction {
   bool sign_exact = false;
 };
 
+// What the previous stored value of an element can be, from its reconstruction (a
+// ChangeDetector's previous()): `bits` (the stored value of the reconstruction), `certain` when
+// nothing else; otherwise, when `bounded`, every candidate lies between lo and hi in value order
+// (the stored values of the error interval's ends, each widened by one FP32 step for the
+// rounding of value -/+ error: a superset, never fewer).
+struct PreviousBits {
+  std::uint16_t bits = 0;
+  bool certain = false;
+  bool bounded = false;
+  std::uint16_t lo = 0, hi = 0;
+};
+
 // What a ChangeDetector decides for one element.
 enum class Verdict : std::uint8_t {
   unchanged = 0,

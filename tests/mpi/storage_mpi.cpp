@@ -39,7 +39,7 @@ int main(int argc, char** argv) {
     if (world.rank() == 0) std::filesystem::remove_all(root);
     MPI_Barrier(MPI_COMM_WORLD);
     storage::Publisher<AdamWInverse, BF16Detect, MegatronToHF, MpiTwoRound> pub(
-        hf, train, root, {.anchor_every = 4, .encoding = storage::Encoding::xor_base}, world);
+        hf, train, root, {.anchor_every = 4, .encoding = storage::Encoding::diff}, world);
     std::unique_ptr<sim::OwnedReader> reader;
     if (world.rank() == 0)
       reader = std::make_unique<sim::OwnedReader>(hf, recv, root, std::vector<std::int64_t>{0});

@@ -13,6 +13,7 @@
 #include "dte/optim/adam.hpp"
 #include "dte/optim/sgd.hpp"
 #include "dte/optim/snapshot.hpp"
+#include "dte/storage/value_code.hpp"
 
 using dte::bits_float;
 using dte::Reconstruction;
@@ -49,6 +50,52 @@ TEST_CASE_TEMPLATE("detector conformance", D, dte::BF16Detect, dte::FP16Detect) 
     CHECK(D::classify(1.0f, {1.0f, inf}) == Verdict::guard);
     CHECK(D::classify(1.0f, {1.0f, std::nanf("")}) == Verdict::guard);
   }
+}
+
+TEST_CASE_TEMPLATE("previous(): every stored value the error interval holds lies in [lo, hi]", D,
+                   dte::BF16Detect, dte::FP16Detect) {
+  using F = typename D::format;
+  using dte::storage::ordered16;
+  std::mt19937_64 rng(5);
+  std::size_t checked = 0, uncertain = 0;
+  for (int trial = 0; trial < 200000; ++trial) {
+    // A finite value of any magnitude (about one in four near a rounding boundary of F), an
+    // error from exact to far wider than a 16-bit step.
+    float value = bits_float(static_cast<std::uint32_t>(rng()) & 0xBFFFFFFFu);  // |x| < 2
+    if (trial % 4 == 0) value = F::interval(F::round(value)).hi;
+    const int k = static_cast<int>(rng() % 40);
+    const float error = trial % 7 == 0 ? 0.0f : std::ldexp(std::fabs(value), -k) + bits_float(1u);
+    const Reconstruction r{value, error, false};
+    const dte::PreviousBits p = D::previous(r);
+    CHECK(p.bits == F::round(value));
+    REQUIRE(p.bounded);
+    if (!p.certain) ++uncertain;
+    // Previous values inside the interval: its ends (as close as FP32 gets) and points between.
+    for (int j = 0; j <= 8; ++j) {
+      const double t = j == 0   ? -1.0
+                       : j == 8 ? 1.0
+                                : std::uniform_real_distribution(-1.0, 1.0)(rng);
+      // (value itself when the offset is zero: -0 + 0 would be +0)
+      const double offset = t * static_cast<double>(error);
+      float p0 = offset == 0 ? value : static_cast<float>(static_cast<double>(value) + offset);
+      for (int step = 0; step < 2 && std::fabs(static_cast<double>(p0) - value) > error; ++step)
+        p0 = std::nextafter(p0, value);
+      if (std::fabs(static_cast<double>(p0) - value) > error) continue;
+      const std::uint16_t stored = F::round(p0);
+      if (p.certain) {
+        REQUIRE(stored == p.bits);
+      } else {
+        REQUIRE(ordered16(p.lo) <= ordered16(stored));
+        REQUIRE(ordered16(stored) <= ordered16(p.hi));
+      }
+      ++checked;
+    }
+  }
+  CHECK(checked > 1000000);
+  CHECK(uncertain > 10000);
+  // Without finite ends there are no bounds.
+  CHECK_FALSE(D::previous({1.0f, std::numeric_limits<float>::infinity()}).bounded);
+  CHECK_FALSE(D::previous({1e38f, 3e38f}).bounded);  // value + error overflows
 }
 
 TEST_CASE("Adam inverses: zero weights with zero moments") {

@@ -1,13 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
 // The canonical chunk codec (storage/chunk.hpp): the index gap code at its escape boundaries,
 // chunks that round trip exactly, and every refusal a reader of untrusted storage needs before
-// it may apply anything (RELIABILITY.md 6.1: F1-F3 through the zstd frame, F11/F18 unknown or
-// incomplete tensor triples, F16 a flipped bit, F17 indices out of range or malformed; 6.2 M12 a
-// chunk of another version or slot).
+// it may apply anything, and the diff value code over every bit pattern (RELIABILITY.md 6.1: F1-F3
+// through the zstd frame, F11/F18 unknown or incomplete tensor triples, F16 a flipped bit, F17
+// indices out of range or malformed; 6.2 M12 a chunk of another version or slot).
 #include <doctest/doctest.h>
 
 #include <zstd.h>
 
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <random>
@@ -18,7 +19,9 @@
 #include "dte/io/safetensors.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/model.hpp"
+#include "dte/numeric/round.hpp"
 #include "dte/storage/chunk.hpp"
+#include "dte/storage/value_code.hpp"
 
 using namespace dte;
 using storage::Chunk;
@@ -150,12 +153,96 @@ TEST_CASE("a chunk round trips exactly, and says what it is") {
   }
 }
 
-TEST_CASE("an XOR chunk round trips and says so") {
+TEST_CASE("the diff value code: exact for every step it codes, one ulp is the code 5 or 6") {
+  using storage::diff_apply;
+  using storage::diff_code;
+  using storage::ordered16;
+  // The ordered line is a bijection that follows the values: every finite pattern below the
+  // next one up (-0 just below +0), and each pattern decodes back from its code.
+  std::vector<bool> seen(65536, false);
+  for (std::uint32_t b = 0; b < 65536; ++b) {
+    const auto o = ordered16(static_cast<std::uint16_t>(b));
+    REQUIRE(!seen[o]);
+    seen[o] = true;
+    REQUIRE(storage::unordered16(o) == b);
+  }
+  CHECK(ordered16(0x8000) + 1 == ordered16(0x0000));
+  std::mt19937_64 rng(11);
+  std::size_t up = 0, down = 0;
+  for (std::uint32_t b = 0; b < 65536; ++b) {
+    const auto base = static_cast<std::uint16_t>(b);
+    for (int k = 0; k < 8; ++k) {  // arbitrary new values, NaN and infinities included
+      const auto now = static_cast<std::uint16_t>(rng());
+      if (storage::diff_fits(base, now)) {
+        REQUIRE(diff_apply(base, diff_code(base, now)) == now);
+      } else {  // the four steps of 32766 ulps and more, which have no code
+        const auto step = static_cast<std::uint16_t>(ordered16(now) - ordered16(base));
+        REQUIRE((step >= 32766 && step <= 32769));  // +32766, +32767, -32768, -32767
+      }
+    }
+    REQUIRE(diff_code(base, base) == 4);
+    const float x = bf16_to_float(base);
+    if (!std::isfinite(x) || x == 0) continue;
+    // The neighbouring patterns one ulp above and below (magnitudes step the other way for
+    // negative values): the codes 6 and 5.
+    const auto above = static_cast<std::uint16_t>(x > 0 ? b + 1 : b - 1);
+    const auto below = static_cast<std::uint16_t>(x > 0 ? b - 1 : b + 1);
+    if (std::isfinite(bf16_to_float(above))) {
+      REQUIRE(bf16_to_float(above) > x);
+      CHECK(diff_code(base, above) == 6);
+      ++up;
+    }
+    if (std::isfinite(bf16_to_float(below))) {
+      REQUIRE(bf16_to_float(below) < x);
+      CHECK(diff_code(base, below) == 5);
+      ++down;
+    }
+  }
+  CHECK(up > 60000);
+  CHECK(down > 60000);
+}
+
+TEST_CASE("the near codes: the new value against every base near_fits admits, and only those") {
+  using storage::diff_apply;
+  using storage::near_code;
+  using storage::near_fits;
+  using storage::ordered16;
+  using storage::unordered16;
+  std::size_t admitted = 0, refused = 0;
+  for (std::uint32_t n = 0; n < 65536; ++n) {
+    const auto now = static_cast<std::uint16_t>(n);
+    const std::uint16_t code = near_code(now);
+    REQUIRE(code < storage::near_codes);
+    // Every candidate range [lo, hi] within 4 patterns of now on the ordered line.
+    for (int a = -4; a <= 4; ++a) {
+      for (int b = a; b <= 4; ++b) {
+        const auto lo = unordered16(static_cast<std::uint16_t>(ordered16(now) + a));
+        const auto hi = unordered16(static_cast<std::uint16_t>(ordered16(now) + b));
+        bool all = true;  // does the code name `now` against every base in [lo, hi]?
+        for (int c = a; c <= b; ++c)
+          all = all && diff_apply(unordered16(static_cast<std::uint16_t>(ordered16(now) + c)),
+                                  code) == now;
+        REQUIRE(near_fits(lo, hi, now) == all);
+        (all ? admitted : refused) += 1;
+      }
+    }
+    // A range the wrong way round is never admitted.
+    REQUIRE_FALSE(near_fits(unordered16(static_cast<std::uint16_t>(ordered16(now) + 1)), now, now));
+  }
+  CHECK(admitted == 65536u * 10);  // the 10 ranges inside [now - 1, now + 2]
+  CHECK(refused > 0);
+  // The steps stop short of the near codes: diff_fits says where.
+  CHECK(storage::diff_fits(0x3F80, 0x3F81));
+  CHECK(storage::diff_fits(0x0000, 0x7F7F));        // +0 to the largest BF16: 32639 ulps up
+  CHECK_FALSE(storage::diff_fits(0x0000, 0x7FFE));  // 32766 up (a NaN pattern): no code
+}
+
+TEST_CASE("a diff chunk round trips and says so") {
   Chunk c = sample(5);
-  c.encoding = storage::Encoding::xor_base;
+  c.encoding = storage::Encoding::diff;
   const Chunk back =
       storage::decode_chunk(model(), storage::encode_chunk(model(), c), "x.zst", &c.header);
-  CHECK(back.encoding == storage::Encoding::xor_base);
+  CHECK(back.encoding == storage::Encoding::diff);
   REQUIRE(back.tensors.size() == c.tensors.size());
   for (std::size_t k = 0; k < c.tensors.size(); ++k)
     CHECK(back.tensors[k] == c.tensors[k]);
@@ -279,18 +366,20 @@ TEST_CASE("decode refuses foreign, unpaired, unknown and malformed tensors (F10,
   other_encoding.set_metadata("dte.format", "chunk-v1");
   other_encoding.set_metadata("dte.encoding", "zip");
   refuses<format_error>(compress(other_encoding.serialize()), "not one this reader applies");
-  // XOR needs a base: an anchor cannot be XOR-encoded, nor such a chunk be read.
-  Chunk anchor_xor;
-  anchor_xor.header = {3, no_version, 0, 0};
-  anchor_xor.encoding = storage::Encoding::xor_base;
-  CHECK_THROWS_AS((void)storage::encode_chunk(model(), anchor_xor), invalid_argument);
-  io::SafetensorsWriter xor_anchor;
+  other_encoding.set_metadata("dte.encoding", "xor");  // (the earlier name of diff's slot)
+  refuses<format_error>(compress(other_encoding.serialize()), "(value, diff)");
+  // diff needs a base: an anchor cannot be diff-encoded, nor such a chunk be read.
+  Chunk anchor_diff;
+  anchor_diff.header = {3, no_version, 0, 0};
+  anchor_diff.encoding = storage::Encoding::diff;
+  CHECK_THROWS_AS((void)storage::encode_chunk(model(), anchor_diff), invalid_argument);
+  io::SafetensorsWriter diff_anchor;
   for (const char* k : {"dte.version", "dte.chunk", "dte.writer"})
-    xor_anchor.set_metadata(k, "0");
-  xor_anchor.set_metadata("dte.base", std::to_string(no_version));
-  xor_anchor.set_metadata("dte.format", "chunk-v1");
-  xor_anchor.set_metadata("dte.encoding", "xor");
-  refuses<format_error>(compress(xor_anchor.serialize()), "XOR-encoded chunk without a base");
+    diff_anchor.set_metadata(k, "0");
+  diff_anchor.set_metadata("dte.base", std::to_string(no_version));
+  diff_anchor.set_metadata("dte.format", "chunk-v1");
+  diff_anchor.set_metadata("dte.encoding", "diff");
+  refuses<format_error>(compress(diff_anchor.serialize()), "diff-encoded chunk without a base");
   io::SafetensorsWriter bad_version;
   for (const char* k : {"dte.base", "dte.chunk", "dte.writer"})
     bad_version.set_metadata(k, "0");

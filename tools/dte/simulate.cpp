@@ -114,9 +114,9 @@ void register_simulate(CLI::App& app, int& status) {
       ->capture_default_str()
       ->check(CLI::Range(std::int64_t{0}, std::int64_t{1'000'000}));
   cmd->add_option("--encoding", o->encoding,
-                  "storage: value (deltas carry the new bits) or xor (new XOR previous bits; "
-                  "needs --publish-every 1)")
-      ->check(CLI::IsMember({"value", "xor"}))
+                  "storage: value (deltas carry the new bits) or diff (each new value as its "
+                  "step from the previous one; needs --publish-every 1)")
+      ->check(CLI::IsMember({"value", "diff"}))
       ->capture_default_str();
   cmd->add_option("--zstd-level", o->zstd_level, "storage: zstd level of the chunks")
       ->capture_default_str()

@@ -198,7 +198,7 @@ int simulate_storage(const SimulateOptions& o) {
   cfg.anchor_every = o.anchor_every;
   cfg.publish_every = o.publish_every;
   cfg.zstd_level = o.zstd_level;
-  cfg.encoding = o.encoding == "xor" ? storage::Encoding::xor_base : storage::Encoding::value;
+  cfg.encoding = o.encoding == "diff" ? storage::Encoding::diff : storage::Encoding::value;
   sim::StorageCluster writers(s.hf, s.train, o.dir, cfg);
   std::vector<std::int64_t> all(static_cast<std::size_t>(s.infer.replicas));
   for (std::size_t r = 0; r < all.size(); ++r)

@@ -16,6 +16,16 @@
 
 namespace dte {
 
+// The next FP32 value above x (finite x; from either zero, the smallest positive subnormal).
+DTE_HOST_DEVICE inline float next_up(float x) noexcept {
+  const std::uint32_t u = float_bits(x);
+  if ((u & 0x7FFFFFFFu) == 0) return bits_float(1u);
+  return bits_float((u & 0x80000000u) != 0 ? u - 1 : u + 1);
+}
+DTE_HOST_DEVICE inline float next_down(float x) noexcept {
+  return -next_up(-x);
+}
+
 template <storage_format F>
 struct BasicDetect {
   using change_detector_tag = void;
@@ -31,7 +41,7 @@ struct BasicDetect {
   }
 
   // Whether store(prev.value) is certainly the previous stored value: the reconstruction is
-  // exact, or its error interval lies inside one rounding interval. (An XOR against the
+  // exact, or its error interval lies inside one rounding interval. (A diff against the
   // previous value needs exactly this: storage/publisher.hpp.)
   DTE_HOST_DEVICE static bool certain(const Reconstruction& prev) noexcept {
     return certain(prev, F::round(prev.value));
@@ -53,6 +63,26 @@ struct BasicDetect {
     const bool upper_ok =
         (iv.hi - prev.value > prev.error) || (prev.sign_exact && float_bits(iv.hi) == 0x80000000u);
     return lower_ok && upper_ok;
+  }
+
+  // The candidates for the previous stored value (PreviousBits).
+  DTE_HOST_DEVICE static PreviousBits previous(const Reconstruction& prev) noexcept {
+    PreviousBits p;
+    p.bits = F::round(prev.value);
+    p.certain = certain(prev, p.bits);
+    if (p.certain) {
+      p.bounded = true;
+      p.lo = p.hi = p.bits;
+      return p;
+    }
+    const auto finite = [](float x) { return (float_bits(x) & 0x7FFFFFFFu) < 0x7F800000u; };
+    const float lo = prev.value - prev.error;
+    const float hi = prev.value + prev.error;
+    if (!finite(prev.value) || !finite(prev.error) || !finite(lo) || !finite(hi)) return p;
+    p.bounded = true;
+    p.lo = F::round(next_down(lo));
+    p.hi = F::round(next_up(hi));
+    return p;
   }
 
   DTE_HOST_DEVICE static bool changed(float current, const Reconstruction& prev) noexcept {

@@ -399,7 +399,7 @@ class SenderRank {
 
   // Stage 3 for storage: the compacted elements of tile t in canonical coordinates, in order;
   // emit(tensor, index, bits), or, for an emitter with a `wants_base` member, emit(tensor,
-  // index, bits, previous bits, whether they are certain).
+  // index, bits, what the previous bits can be: PreviousBits).
   template <class Emit>
   void canonical_tile(layout::BufferKind b, std::size_t t, const Tile& s, Emit&& emit) const {
     const auto runs = table_.runs(b);
@@ -415,12 +415,12 @@ class SenderRank {
       const auto index = static_cast<std::uint32_t>(run.canonical - (*hf_)[run.tensor].base +
                                                     (o - run.shard_begin));
       if constexpr (requires { requires std::remove_cvref_t<Emit>::wants_base; }) {
-        // The emitter also wants the previous stored value, and whether it is certain (the
-        // reconstruction of the last step, re-evaluated for the changed elements only).
+        // The emitter also wants what the previous stored value can be (the reconstruction of
+        // the last step, re-evaluated for the changed elements only).
         const layout::PlanSegment& seg = plan_.segments(b)[static_cast<std::size_t>(run.segment)];
         const auto prev = kernels_[idx(b)][static_cast<std::size_t>(run.segment)](
             static_cast<std::size_t>(o - seg.shard_begin));
-        emit(tensor, index, s.bits[k], Detect::store(prev.value), Detect::certain(prev));
+        emit(tensor, index, s.bits[k], Detect::previous(prev));
       } else {
         emit(tensor, index, s.bits[k]);
       }

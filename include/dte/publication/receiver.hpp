@@ -87,7 +87,7 @@ inline void check_coverage(const layout::HfModel& hf, const storage::Manifest& m
   for (const storage::Chunk& c : chunks) {
     if (m.anchor() && c.encoding != storage::Encoding::value) {
       throw format_error(who + ": a full publication's chunk " + std::to_string(c.header.chunk) +
-                         " is XOR-encoded; a full publication carries values");
+                         " is diff-encoded; a full publication carries values");
     }
     for (const storage::TensorDelta& d : c.tensors) {
       const auto t = static_cast<std::size_t>(d.tensor);
@@ -188,11 +188,10 @@ class HfReceiver {
     if (!staged) return rep;
     const storage::Manifest& m = staged->manifest;
     const std::vector<storage::Chunk>& cs = staged->chunks;
-    // The digest after the writes, from the values they overwrite; the XOR encoding's values
+    // The digest after the writes, from the values they overwrite; the diff encoding's values
     // are decoded against them.
     std::vector<Digest> after = m.anchor() ? std::vector<Digest>(digest_.size(), 0) : digest_;
     for (const storage::Chunk& c : cs) {
-      const bool xor_base = c.encoding == storage::Encoding::xor_base;
       for (const storage::TensorDelta& d : c.tensors) {
         const auto t = static_cast<std::size_t>(d.tensor);
         const std::int64_t base = hf_[d.tensor].base;
@@ -201,7 +200,7 @@ class HfReceiver {
         for (std::size_t k = 0; k < d.index.size(); ++k) {
           const std::uint32_t i = d.index[k];
           const std::uint16_t old = x[i];
-          const auto bits = static_cast<std::uint16_t>(xor_base ? old ^ d.bits[k] : d.bits[k]);
+          const std::uint16_t bits = storage::decode_value(c.encoding, old, d.bits[k]);
           if (!m.anchor()) sum -= element_digest(base + i, old);
           sum += element_digest(base + i, bits);
         }
@@ -219,12 +218,11 @@ class HfReceiver {
       }
     }
     for (const storage::Chunk& c : cs) {
-      const bool xor_base = c.encoding == storage::Encoding::xor_base;
       for (const storage::TensorDelta& d : c.tensors) {
         const std::span<std::uint16_t> x = tensors_[static_cast<std::size_t>(d.tensor)];
         for (std::size_t k = 0; k < d.index.size(); ++k) {
           std::uint16_t& e = x[d.index[k]];
-          e = static_cast<std::uint16_t>(xor_base ? e ^ d.bits[k] : d.bits[k]);
+          e = storage::decode_value(c.encoding, e, d.bits[k]);
         }
         rep.written += d.index.size();
       }
@@ -284,7 +282,6 @@ class ShardReceiver {
     wire::MessageWriter w;
     w.begin();
     for (const storage::Chunk& c : cs) {
-      const bool xor_base = c.encoding == storage::Encoding::xor_base;
       for (const storage::TensorDelta& d : c.tensors) {
         for (std::size_t k = 0; k < d.index.size(); ++k) {
           layout_.targets(
@@ -293,7 +290,7 @@ class ShardReceiver {
                 const std::uint16_t held =
                     receiver_.tensor(e.tensor)[static_cast<std::size_t>(e.index)];
                 w.add(static_cast<std::uint32_t>(e.tensor), static_cast<std::uint32_t>(e.index),
-                      static_cast<std::uint16_t>(xor_base ? held ^ d.bits[k] : d.bits[k]));
+                      storage::decode_value(c.encoding, held, d.bits[k]));
               });
         }
       }

@@ -9,8 +9,9 @@
 //   "<name>:value_hi"  U8 [n]  the high bytes of the n values' BF16 bits (sign, exponent);
 //   "<name>:value_lo"  U8 [n]  their low bytes (last exponent bit, mantissa);
 // and in __metadata__: dte.format = "chunk-v1", dte.version, dte.base, dte.chunk (its number in
-// the version), dte.writer (the trainer rank), dte.encoding = "value" (the new bits) or "xor"
-// (the new bits XOR those of the base version; Encoding). The file is cut into up to
+// the version), dte.writer (the trainer rank), dte.encoding = "value" (the new bits) or "diff"
+// (the new bits as a step from those of the base version: storage/value_code.hpp; Encoding). The
+// file is cut into up to
 // four zstd frames, the safetensors header, then every tensor's indices, every high byte,
 // every low byte (the data are laid out in that order): streams of one kind compress together
 // (about 15% smaller than one frame over interleaved streams), and `zstd -d` concatenates the
@@ -50,6 +51,7 @@
 #include "dte/error.hpp"
 #include "dte/io/safetensors.hpp"
 #include "dte/layout/hf.hpp"
+#include "dte/storage/value_code.hpp"
 
 namespace dte::storage {
 
@@ -75,13 +77,21 @@ struct ChunkHeader {
   friend bool operator==(const ChunkHeader&, const ChunkHeader&) = default;
 };
 
-// What a chunk's 16-bit values are: the new bits (overwrite), or the new bits XOR the bits of
-// the base version (a reader applies those only on exactly the base version, which the version
-// chain guarantees; XOR of a small change leaves few bits set, so they compress far better).
-enum class Encoding : std::uint8_t { value, xor_base };
+// What a chunk's 16-bit values are: the new bits (overwrite), or their diff code against the
+// bits of the base version (storage/value_code.hpp: a reader applies those only on exactly the
+// base version, which the version chain guarantees; a small change has a small code, so they
+// compress far better).
+enum class Encoding : std::uint8_t { value, diff };
 
 inline std::string_view encoding_name(Encoding e) noexcept {
-  return e == Encoding::value ? "value" : "xor";
+  return e == Encoding::value ? "value" : "diff";
+}
+
+// The new bits of an element a chunk of encoding e stores as `stored`, given the bits `held`
+// of the base version (unused for value).
+DTE_HOST_DEVICE constexpr std::uint16_t decode_value(Encoding e, std::uint16_t held,
+                                                     std::uint16_t stored) noexcept {
+  return e == Encoding::diff ? diff_apply(held, stored) : stored;
 }
 
 struct Chunk {
@@ -303,8 +313,9 @@ inline std::vector<std::byte> encode_chunk(const layout::HfModel& hf, const Chun
   w.set_metadata("dte.chunk", std::to_string(c.header.chunk));
   w.set_metadata("dte.writer", std::to_string(c.header.writer));
   w.set_metadata("dte.encoding", std::string(encoding_name(c.encoding)));
-  if (c.encoding == Encoding::xor_base && c.header.base == no_version) {
-    throw invalid_argument("dte::storage::encode_chunk: an anchor (no base) cannot be XOR-encoded");
+  if (c.encoding == Encoding::diff && c.header.base == no_version) {
+    throw invalid_argument(
+        "dte::storage::encode_chunk: an anchor (no base) cannot be diff-encoded");
   }
   std::vector<std::vector<std::uint8_t>> hi(c.tensors.size()), lo(c.tensors.size());
   std::size_t values = 0;
@@ -384,12 +395,12 @@ inline Chunk decode_chunk(const layout::HfModel& hf, std::span<const std::byte> 
                        "reads \"" + std::string(chunk_format) + "\"");
   }
   const std::string encoding = detail::metadata_or_refuse(meta, "dte.encoding", source);
-  if (encoding != "value" && encoding != "xor") {
+  if (encoding != "value" && encoding != "diff") {
     throw format_error(source + ": dte.encoding \"" + encoding +
-                       "\" is not one this reader applies (value, xor)");
+                       "\" is not one this reader applies (value, diff)");
   }
   Chunk c;
-  c.encoding = encoding == "xor" ? Encoding::xor_base : Encoding::value;
+  c.encoding = encoding == "diff" ? Encoding::diff : Encoding::value;
   c.header.version = detail::metadata_u64(meta, "dte.version", source);
   c.header.base = detail::metadata_u64(meta, "dte.base", source);
   const std::uint64_t chunk = detail::metadata_u64(meta, "dte.chunk", source);
@@ -399,8 +410,8 @@ inline Chunk decode_chunk(const layout::HfModel& hf, std::span<const std::byte> 
   }
   c.header.chunk = static_cast<std::uint32_t>(chunk);
   c.header.writer = static_cast<std::uint32_t>(writer);
-  if (c.encoding == Encoding::xor_base && c.header.base == no_version) {
-    throw format_error(source + ": an XOR-encoded chunk without a base version");
+  if (c.encoding == Encoding::diff && c.header.base == no_version) {
+    throw format_error(source + ": a diff-encoded chunk without a base version");
   }
   if (expect != nullptr && !(c.header == *expect)) {
     throw protocol_error(

@@ -63,8 +63,8 @@ struct PublisherConfig {
   int zstd_level = 3;              // 1 .. 19
   std::uint64_t chunk_entries = std::uint64_t{1} << 24;      // changed elements per chunk at most
   std::uint64_t anchor_file_bytes = std::uint64_t{2} << 30;  // an anchor's shard files
-  // value: deltas carry the new bits; xor_base: new XOR previous where the reconstruction
-  // knows the previous bits for certain (publish_every must be 1: the base is the last step)
+  // value: deltas carry the new bits; diff: their diff code against the previous bits where the
+  // reconstruction knows those for certain (publish_every must be 1: the base is the last step)
   Encoding encoding = Encoding::value;
   // after every publication rank 0 removes what no reader can need (storage/retention.hpp)
   bool collect = true;
@@ -131,10 +131,12 @@ struct ChunkMemory {
 };
 
 // One writer's chunks of one version, filled in shard order by the pipeline's emitter and handed
-// to `store` (ChunkFiles or ChunkMemory) as each fills. Xor: every changed
-// element whose previous value the reconstruction knows for certain goes into an XOR chunk (new
-// bits XOR previous bits), the few others into a value chunk beside it.
-template <bool Xor, class Store>
+// to `store` (ChunkFiles or ChunkMemory) as each fills. Diff: every changed element goes into a
+// diff chunk (storage/value_code.hpp): its step from the previous bits where the reconstruction
+// knows those for certain, its near code where it knows them to within a few patterns (the
+// guard band's elements: 12 % of those sent at lr 2e-7 in a dte simulate run); the rare others (a
+// step of 32766 ulps or more, a reconstruction without bounds) into a value chunk beside it.
+template <bool Diff, class Store>
 class ChunkSink {
  public:
   ChunkSink(const layout::HfModel& hf, ChunkHeader header, int zstd_level,
@@ -148,16 +150,18 @@ class ChunkSink {
       o.tensors.resize(static_cast<std::size_t>(hf.size()));
   }
 
-  // (wants_base: the sender passes each element's previous bits and whether they are certain)
-  static constexpr bool wants_base = Xor;
+  // (wants_base: the sender passes what each element's previous bits can be)
+  static constexpr bool wants_base = Diff;
 
   void operator()(std::uint32_t tensor, std::uint32_t index, std::uint16_t bits) {
     add(open_[0], tensor, index, bits);
   }
   void operator()(std::uint32_t tensor, std::uint32_t index, std::uint16_t bits,
-                  std::uint16_t previous, bool certain) {
-    if (certain) {
-      add(open_[1], tensor, index, static_cast<std::uint16_t>(bits ^ previous));
+                  const PreviousBits& previous) {
+    if (previous.certain && diff_fits(previous.bits, bits)) {
+      add(open_[1], tensor, index, diff_code(previous.bits, bits));
+    } else if (!previous.certain && previous.bounded && near_fits(previous.lo, previous.hi, bits)) {
+      add(open_[1], tensor, index, near_code(bits));
     } else {
       add(open_[0], tensor, index, bits);
     }
@@ -166,7 +170,7 @@ class ChunkSink {
   // Writes the open chunks (nothing for an empty one).
   void flush() {
     write(open_[0], Encoding::value);
-    write(open_[1], Encoding::xor_base);
+    write(open_[1], Encoding::diff);
   }
 
   [[nodiscard]] const std::vector<ChunkEntry>& written() const noexcept { return written_; }
@@ -228,7 +232,7 @@ class ChunkSink {
   int level_;
   std::uint64_t limit_;
   Store store_;
-  Open open_[2];  // value, xor
+  Open open_[2];  // value, diff
   std::vector<ChunkEntry> written_;
 };
 
@@ -488,10 +492,10 @@ class Publisher {
   static PublisherConfig checked(const PublisherConfig& c) {
     if (c.anchor_every < 0 || c.publish_every < 1 || c.zstd_level < 1 || c.zstd_level > 19 ||
         c.chunk_entries < 1 || c.anchor_file_bytes < 1 ||
-        (c.encoding == Encoding::xor_base && c.publish_every != 1)) {
+        (c.encoding == Encoding::diff && c.publish_every != 1)) {
       throw invalid_argument(
           "storage::PublisherConfig: anchor_every must be >= 0, publish_every >= 1, zstd_level "
-          "in 1..19, chunk_entries and anchor_file_bytes >= 1, and the xor encoding needs "
+          "in 1..19, chunk_entries and anchor_file_bytes >= 1, and the diff encoding needs "
           "publish_every 1 (its base is the previous optimizer step)");
     }
     return c;
@@ -557,8 +561,8 @@ class Publisher {
         sink.flush();
         mine = sink.written();
       };
-      // (XOR needs the base to be the previous optimizer step: one step() since the last one)
-      if (cfg_.encoding == Encoding::xor_base && !anchor && stepped_once_) {
+      // (diff needs the base to be the previous optimizer step: one step() since the last one)
+      if (cfg_.encoding == Encoding::diff && !anchor && stepped_once_) {
         detail::ChunkSink<true, detail::ChunkFiles> sink(*hf_, {v, base, 0, rank}, cfg_.zstd_level,
                                                          cfg_.chunk_entries, {dir, anchor});
         pass(sink);
@@ -660,7 +664,7 @@ class Publisher {
   Version version_ = 0;
   std::int64_t steps_ = 0;
   std::int64_t published_step_ = 0;  // steps_ at the last publication through step()
-  bool stepped_once_ = false;        // this publication follows exactly one step() (XOR's base)
+  bool stepped_once_ = false;        // this publication follows exactly one step() (diff's base)
   bool marked_ = false;
   bool need_anchor_ = false;
   io::detail::FdGuard lock_{-1};  // rank 0: the root's writer lock

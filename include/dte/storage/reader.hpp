@@ -256,19 +256,19 @@ class Reader {
       for (const ChunkEntry& e : order) {
         const Chunk c = read_chunk(*hf_, dir, m, e);
         rep.bytes_read += e.bytes;
-        const bool xor_base = c.encoding == Encoding::xor_base;
-        if (xor_base && receivers_.front()->has_sink()) {
+        const bool diff = c.encoding == Encoding::diff;
+        if (diff && receivers_.front()->has_sink()) {
           throw unsupported((dir / e.file).string() +
-                            ": XOR-encoded, and this reader's tensors are device memory it does "
+                            ": diff-encoded, and this reader's tensors are device memory it does "
                             "not read back; publish with the value encoding");
         }
         for (const TensorDelta& d : c.tensors) {
           for (std::size_t k = 0; k < d.index.size(); ++k) {
-            // XOR: decoded against the value held (the chain holds exactly the base), into the
+            // diff: decoded against the value held (the chain holds exactly the base), into the
             // staged messages; nothing is written until every chunk is decoded.
             const std::uint16_t bits =
-                xor_base ? held_bits(d.tensor, d.index[k]) ^ d.bits[k] : d.bits[k];
-            put(d.tensor, d.index[k], static_cast<std::uint16_t>(bits));
+                diff ? diff_apply(held_bits(d.tensor, d.index[k]), d.bits[k]) : d.bits[k];
+            put(d.tensor, d.index[k], bits);
           }
         }
       }

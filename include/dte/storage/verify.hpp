@@ -157,7 +157,6 @@ inline VerifyReport verify_root(const layout::HfModel& hf, const std::filesystem
       }
       if (files_ok && at == m.base) {
         for (const Chunk& c : chunks) {
-          const bool xor_base = c.encoding == Encoding::xor_base;
           for (const TensorDelta& d : c.tensors) {
             auto& s = state[static_cast<std::size_t>(d.tensor)];
             Digest& sum = digest[static_cast<std::size_t>(d.tensor)];
@@ -165,7 +164,7 @@ inline VerifyReport verify_root(const layout::HfModel& hf, const std::filesystem
             for (std::size_t k = 0; k < d.index.size(); ++k) {
               const std::int64_t g = base + d.index[k];
               const std::uint16_t old = s[d.index[k]];
-              const auto now = static_cast<std::uint16_t>(xor_base ? old ^ d.bits[k] : d.bits[k]);
+              const std::uint16_t now = decode_value(c.encoding, old, d.bits[k]);
               sum += element_digest(g, now) - element_digest(g, old);
               s[d.index[k]] = now;
             }
