@@ -6,6 +6,7 @@
 #include <ios>
 #include <limits>
 
+#include "dte/numeric/fp32.hpp"
 #include "dte/numeric/round.hpp"
 
 using dte::bits_float;
@@ -107,4 +108,21 @@ TEST_CASE("the zero intervals are split by sign") {
   const auto half_inf = dte::Fp16Format::interval(0x7C00);
   CHECK(half_inf.lo == 65520.0f);
   CHECK(dte::Fp16Format::interval(0xFC00).hi == -65520.0f);
+}
+
+TEST_CASE("dte::next_up and next_down are std::nextafter towards +-infinity on finite values") {
+  std::uint64_t checked = 0;
+  for (std::uint64_t b = 0; b < (std::uint64_t{1} << 32); b += 65521) {  // a prime stride
+    const float x = bits_float(static_cast<std::uint32_t>(b));
+    if (!std::isfinite(x)) continue;
+    REQUIRE(float_bits(dte::next_up(x)) == float_bits(next_up(x)));
+    REQUIRE(float_bits(dte::next_down(x)) == float_bits(next_down(x)));
+    ++checked;
+  }
+  for (const float x : {0.0f, -0.0f, bits_float(1u), -bits_float(1u), 1.0f, -1.0f,
+                        std::numeric_limits<float>::max(), -std::numeric_limits<float>::max()}) {
+    CHECK(float_bits(dte::next_up(x)) == float_bits(next_up(x)));
+    CHECK(float_bits(dte::next_down(x)) == float_bits(next_down(x)));
+  }
+  CHECK(checked > 60000);
 }

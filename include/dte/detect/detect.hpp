@@ -16,16 +16,6 @@
 
 namespace dte {
 
-// The next FP32 value above x (finite x; from either zero, the smallest positive subnormal).
-DTE_HOST_DEVICE inline float next_up(float x) noexcept {
-  const std::uint32_t u = float_bits(x);
-  if ((u & 0x7FFFFFFFu) == 0) return bits_float(1u);
-  return bits_float((u & 0x80000000u) != 0 ? u - 1 : u + 1);
-}
-DTE_HOST_DEVICE inline float next_down(float x) noexcept {
-  return -next_up(-x);
-}
-
 template <storage_format F>
 struct BasicDetect {
   using change_detector_tag = void;

@@ -33,6 +33,21 @@ inline float float_up(double x) noexcept {
   return f;
 }
 
+}  // namespace detail
+
+// The FP32 neighbours of a finite x, as std::nextafter towards +-infinity gives them (from either
+// zero, the smallest subnormal of that sign), from the bits alone so that device code has them.
+DTE_HOST_DEVICE inline float next_up(float x) noexcept {
+  const std::uint32_t u = float_bits(x);
+  if ((u & 0x7FFFFFFFu) == 0) return bits_float(1u);
+  return bits_float((u & 0x80000000u) != 0 ? u - 1 : u + 1);
+}
+DTE_HOST_DEVICE inline float next_down(float x) noexcept {
+  return -next_up(-x);
+}
+
+namespace detail {
+
 // FP32 operations rounded once each, never fused: nvcc contracts a*b+c into an FMA by default,
 // which would make device verdicts differ from the host's in the last bit. (The bounds hold
 // either way; identical verdicts make the CUDA backend testable against the host backend.)
