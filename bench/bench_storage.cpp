@@ -10,6 +10,9 @@
 //              as independent elements of each tensor's density (N h(k/N) bits) plus the new
 //              values' sign, exponent and mantissa, each at its order-0 entropy within the tensor;
 //              an overwrite encoding (one that does not know the base) codes exactly these;
+//   classes    dte's diff encoding with the class index (storage/class_index.hpp): the changed
+//              set coded per class of the base value; its order-0 floor ("order-0 class index")
+//              is each tensor's sum over base classes c of N_c h(k_c/N_c);
 //   planes     the diff run's values alone, as byte planes through zstd -1: their diff codes
 //              (what dte writes) beside the XOR of the new and the base bits of the same
 //              elements (what an XOR encoding would write).
@@ -35,6 +38,7 @@
 #include "dte/sim/baselines.hpp"
 #include "dte/sim/storage_cluster.hpp"
 #include "dte/sim/synthetic_trainer.hpp"
+#include "dte/storage/class_index.hpp"
 #include "dte/storage/read.hpp"
 
 namespace {
@@ -128,6 +132,31 @@ Order0 order0(const layout::HfModel& hf, const std::vector<Piece>& d) {
   return out;
 }
 
+// Order-0 bytes of the changed set given each element's base class: per tensor and class c of
+// the base bits, N_c h(k_c / N_c).
+double order0_classes(const layout::HfModel& hf, const std::vector<Piece>& d,
+                      const std::vector<std::uint16_t>& before) {
+  std::map<std::int64_t, std::vector<std::uint64_t>> changed;
+  for (const auto& [encoding, t] : d) {
+    auto& k = changed[t.tensor];
+    k.resize(256);
+    for (const std::uint32_t i : t.index)
+      ++k[storage::value_class(before[static_cast<std::size_t>(hf[t.tensor].base + i)])];
+  }
+  double bytes = 0;
+  for (const auto& [tensor, k] : changed) {
+    std::vector<std::uint64_t> n(256, 0);
+    for (std::int64_t i = 0; i < hf[tensor].numel(); ++i)
+      ++n[storage::value_class(before[static_cast<std::size_t>(hf[tensor].base + i)])];
+    for (std::size_t c = 0; c < 256; ++c) {
+      if (k[c] == 0 || k[c] == n[c]) continue;
+      const double q = static_cast<double>(k[c]) / static_cast<double>(n[c]);
+      bytes += static_cast<double>(n[c]) * -(q * std::log2(q) + (1 - q) * std::log2(1 - q)) / 8;
+    }
+  }
+  return bytes;
+}
+
 // The changed elements of version v, from its chunks.
 std::vector<Piece> deltas(const layout::HfModel& hf, const std::filesystem::path& root, Version v) {
   const storage::Manifest m = storage::read_manifest(hf, root, v);
@@ -152,19 +181,23 @@ int main(int argc, char** argv) {
   nlohmann::ordered_json rows = nlohmann::ordered_json::array();
   if (!as_json) {
     std::printf("bytes per changed element, small-qwen3, one optimizer step per version\n");
-    std::printf("%-7s %8s %9s | %-15s | %-15s | %9s %7s | %-24s | %s\n", "lr", "density", "changed",
-                "dte value z1/z3", "dte diff z1/z3", "AReaL-DTE", "PULSE",
-                "order-0 index+value/diff", "planes diff/xor");
+    std::printf("%-7s %8s %9s | %-15s | %-15s | %-17s | %9s %7s | %-24s | %-7s | %s\n", "lr",
+                "density", "changed", "dte value z1/z3", "dte diff z1/z3", "dte classes z1/z3",
+                "AReaL-DTE", "PULSE", "order-0 index+value/diff", "o0 cls", "planes diff/xor");
   }
   struct Config {
     const char* name;
     storage::Encoding encoding;
     int level;
+    storage::IndexCode index = storage::IndexCode::plain;
   };
-  const Config configs[] = {{"value_zstd1", storage::Encoding::value, 1},
-                            {"value_zstd3", storage::Encoding::value, 3},
-                            {"diff_zstd1", storage::Encoding::diff, 1},
-                            {"diff_zstd3", storage::Encoding::diff, 3}};
+  const Config configs[] = {
+      {"value_zstd1", storage::Encoding::value, 1},
+      {"value_zstd3", storage::Encoding::value, 3},
+      {"diff_zstd1", storage::Encoding::diff, 1},
+      {"diff_zstd3", storage::Encoding::diff, 3},
+      {"classes_zstd1", storage::Encoding::diff, 1, storage::IndexCode::classes},
+      {"classes_zstd3", storage::Encoding::diff, 3, storage::IndexCode::classes}};
   for (const double lr : {2e-7, 3e-7, 5e-7, 1e-6, 2e-6, 3e-6}) {
     nlohmann::ordered_json row;
     std::uint64_t changed = 0;
@@ -179,6 +212,7 @@ int main(int argc, char** argv) {
       storage::PublisherConfig cfg;
       cfg.zstd_level = cfg_row.level;
       cfg.encoding = cfg_row.encoding;
+      cfg.index = cfg_row.index;
       sim::StorageCluster writers(hf, train, root, cfg);
       for (int s = 0; s < 3; ++s)
         t.step();
@@ -193,7 +227,7 @@ int main(int argc, char** argv) {
       const storage::PublishReport rep = *writers.step(access);
       changed = rep.changed;
       row[cfg_row.name] = static_cast<double>(rep.bytes) / static_cast<double>(rep.changed);
-      if (cfg_row.level == 1)
+      if (cfg_row.level == 1 && cfg_row.index == storage::IndexCode::plain)
         (cfg_row.encoding == storage::Encoding::value ? d : d_diff) = deltas(hf, root, rep.version);
       std::filesystem::remove_all(root);
     }
@@ -206,6 +240,7 @@ int main(int argc, char** argv) {
     row["order0_index"] = bound.index / static_cast<double>(changed);
     row["order0_values"] = bound.values / static_cast<double>(changed);
     row["order0_diff_values"] = bound_diff.values / static_cast<double>(changed);
+    row["order0_class_index"] = order0_classes(hf, d, before) / static_cast<double>(changed);
     row["planes_diff"] = static_cast<double>(p.diff) / static_cast<double>(changed);
     row["planes_xor"] = static_cast<double>(p.xor_bits) / static_cast<double>(changed);
     row["lr"] = lr;
@@ -213,15 +248,16 @@ int main(int argc, char** argv) {
     row["changed"] = changed;
     if (!as_json) {
       std::printf(
-          "%-7.0e %7.3f%% %9llu | %7.3f %7.3f | %7.3f %7.3f | %9.3f %7.3f | %.3f+%.3f/%.3f | "
-          "%.3f/%.3f\n",
+          "%-7.0e %7.3f%% %9llu | %7.3f %7.3f | %7.3f %7.3f | %8.3f %8.3f | %9.3f %7.3f | "
+          "%.3f+%.3f/%.3f | %7.3f | %.3f/%.3f\n",
           lr, 100 * density, static_cast<unsigned long long>(changed),
           row["value_zstd1"].get<double>(), row["value_zstd3"].get<double>(),
           row["diff_zstd1"].get<double>(), row["diff_zstd3"].get<double>(),
+          row["classes_zstd1"].get<double>(), row["classes_zstd3"].get<double>(),
           row["areal_dte"].get<double>(), row["pulse"].get<double>(),
           row["order0_index"].get<double>(), row["order0_values"].get<double>(),
-          row["order0_diff_values"].get<double>(), row["planes_diff"].get<double>(),
-          row["planes_xor"].get<double>());
+          row["order0_diff_values"].get<double>(), row["order0_class_index"].get<double>(),
+          row["planes_diff"].get<double>(), row["planes_xor"].get<double>());
     }
     rows.push_back(row);
   }

@@ -2,15 +2,18 @@
 // libFuzzer harness: the canonical chunk reader (storage/chunk.hpp). The first byte chooses the
 // layer the rest reaches: even, the bytes are the chunk as stored (a zstd frame); odd, they are
 // the container inside it, compressed here first, so mutations reach the safetensors, metadata
-// and gap-code checks rather than dying in zstd. Either the chunk decodes, and then every index
-// lies inside its tensor, strictly increasing, one value each, and encoding it again decodes to
-// the same chunk; or it is refused with a format_error, bounds_error or protocol_error.
+// and gap-code checks rather than dying in zstd. A class index resolves against a fixed base
+// (chunk_base.hpp). Either the chunk decodes, and then every index lies inside its tensor,
+// strictly increasing, one value each, and encoding it again (a class index as plain indices)
+// decodes to the same chunk; or it is refused with a format_error, bounds_error or
+// protocol_error.
 #include <zstd.h>
 
 #include <cstddef>
 #include <cstdint>
 #include <vector>
 
+#include "chunk_base.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/model.hpp"
 #include "dte/storage/chunk.hpp"
@@ -28,7 +31,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     in = std::move(z);
   }
   try {
-    const dte::storage::Chunk c = dte::storage::decode_chunk(hf, in, "fuzz", nullptr, 1u << 24);
+    static const dte::fuzz::PatternBase base;
+    dte::storage::Chunk c = dte::storage::decode_chunk(hf, in, "fuzz", nullptr, 1u << 24, &base);
     for (const dte::storage::TensorDelta& t : c.tensors) {
       DTE_FUZZ_REQUIRE(t.tensor >= 0 && t.tensor < hf.size());
       DTE_FUZZ_REQUIRE(t.index.size() == t.bits.size());
@@ -37,6 +41,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         DTE_FUZZ_REQUIRE(k == 0 || t.index[k] > t.index[k - 1]);
       }
     }
+    c.index = dte::storage::IndexCode::plain;
     const auto again = dte::storage::encode_chunk(hf, c, 1);
     const dte::storage::Chunk back = dte::storage::decode_chunk(hf, again, "again", &c.header);
     DTE_FUZZ_REQUIRE(back.tensors == c.tensors);

@@ -12,6 +12,7 @@
 
 #include <zstd.h>
 
+#include "chunk_base.hpp"
 #include "dte/io/safetensors.hpp"
 #include "dte/storage/chunk.hpp"
 #include "dte/storage/manifest.hpp"
@@ -118,6 +119,41 @@ int main(int argc, char** argv) {
     for (std::byte b : frames)
       plain.push_back(static_cast<std::uint8_t>(b));
     write(root / "chunk" / ("container_" + std::to_string(seed)), plain);
+  }
+  {
+    // A diff chunk with a class index against the fuzzer's base (chunk_base.hpp).
+    storage::Chunk c;
+    c.header = {9, 8, 0, 1};
+    c.encoding = storage::Encoding::diff;
+    c.index = storage::IndexCode::classes;
+    for (std::int64_t t = 1; t < hf.size(); t += 5) {
+      storage::TensorDelta d;
+      d.tensor = t;
+      const auto n = static_cast<std::uint32_t>(hf[t].numel());
+      d.domain = {{0, n / 8, n / 4, 4}};  // four runs of an eighth
+      for (std::uint32_t j = 0; j < 4; ++j) {
+        // (changes among the class-127 positions only, and a few exceptions, so the class
+        // index is the smaller code and the writer picks it)
+        for (std::uint32_t i = j * (n / 4); i < j * (n / 4) + n / 8; ++i) {
+          const std::uint8_t cls = storage::value_class(fuzz::pattern_bits(t, i));
+          if (i % 3 != 0 || (cls != 127 && i % 301 != 0)) continue;
+          d.index.push_back(i), d.bits.push_back(static_cast<std::uint16_t>(5 + i % 2));
+          d.cls.push_back(i % 301 == 0 ? storage::unknown_class : cls);
+        }
+      }
+      c.tensors.push_back(std::move(d));
+    }
+    const fuzz::PatternBase base;
+    const auto stored = storage::encode_chunk(hf, c, 1, &base);
+    std::vector<std::uint8_t> a{0};
+    for (std::byte b : stored)
+      a.push_back(static_cast<std::uint8_t>(b));
+    write(root / "chunk" / "stored_classes", a);
+    const std::vector<std::byte> frames = storage::decompress_frames(stored, "seed");
+    std::vector<std::uint8_t> plain{1};
+    for (std::byte b : frames)
+      plain.push_back(static_cast<std::uint8_t>(b));
+    write(root / "chunk" / "container_classes", plain);
   }
   std::filesystem::create_directories(root / "manifest");
   for (const bool anchor : {false, true}) {

@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "dte/error.hpp"
@@ -431,6 +432,103 @@ TEST_CASE("diff encoding: smaller, and every reader ends bit-identical; verify r
   CHECK_THROWS_AS(sim::StorageCluster(diffed.hf, diffed.train, diffed.dir.path / "k",
                                       {.publish_every = 2, .encoding = storage::Encoding::diff}),
                   invalid_argument);
+}
+
+TEST_CASE("classes index: bit-identical readers over flushes mid-pass, value chunks and MoE") {
+  // (chunk_entries small: diff chunks close mid-pass, beside value chunks, so skips and several
+  // entries per tensor occur)
+  const storage::PublisherConfig plain{
+      .anchor_every = 6, .chunk_entries = 4000, .encoding = storage::Encoding::diff};
+  storage::PublisherConfig classed = plain;
+  classed.index = storage::IndexCode::classes;
+  for (const auto& [model, train, infer, replicas] :
+       {std::tuple{"tiny-qwen3", "tp=2,dp=2", "tp=2,replicas=2", 2},
+        std::tuple{"tiny-qwen3-moe", "tp=2,ep=2,dp=2", "tp=2,ep=2", 1}}) {
+    const std::string name = model;
+    CAPTURE(name);
+    Setup a(plain, model, train, infer, 3e-6);
+    Setup b(classed, model, train, infer, 3e-6);
+    auto live =
+        b.reader(replicas == 2 ? std::vector<std::int64_t>{0, 1} : std::vector<std::int64_t>{0});
+    auto lagging = b.reader({replicas - 1}, {.name = "lagging"});
+    std::vector<std::vector<float>> weights{{}};
+    a.writers.publish(a.access);
+    b.writers.publish(b.access);
+    weights.push_back(b.trainer.canonical_weights());
+    std::uint64_t plain_bytes = 0, class_bytes = 0;
+    for (int step = 0; step < 9; ++step) {
+      a.trainer.step();
+      b.trainer.step();
+      const auto x = a.writers.step(a.access);
+      const auto y = b.writers.step(b.access);
+      REQUIRE(y.has_value());
+      weights.push_back(b.trainer.canonical_weights());
+      CHECK(y->changed == x->changed);
+      CHECK(y->digest == x->digest);
+      if (!y->anchor()) plain_bytes += x->bytes, class_bytes += y->bytes;
+      const auto got = live->poll();
+      REQUIRE_MESSAGE(got.ok(), got.error);
+      CHECK(b.mismatches(live, weights.back()) == 0);
+      if (y->version > 3) {
+        REQUIRE(lagging->advance(y->version - 3).ok());
+        CHECK(b.mismatches(lagging, weights[y->version - 3]) == 0);
+      }
+    }
+    // (tensors of a few thousand elements: most entries are cheaper plain, which the writer
+    // picks per entry, so the two stay within a mode byte per entry)
+    MESSAGE(std::string(model) << ": plain " << plain_bytes << " bytes, classes " << class_bytes);
+    CHECK(class_bytes < plain_bytes * 103 / 100);
+    REQUIRE(lagging->poll().ok());
+    CHECK(b.mismatches(lagging, weights.back()) == 0);
+    const auto report = storage::verify_root(b.hf, b.dir.path);
+    CHECK_MESSAGE(report.ok(), (report.problems.empty() ? "" : report.problems.front().what));
+    CHECK(report.digests == report.versions);
+  }
+  // classes needs diff.
+  CHECK_THROWS_AS(sim::StorageCluster(layout::HfModel(layout::model_preset("tiny-qwen3")),
+                                      layout::parse_train_topology("tp=2"), Dir().path,
+                                      {.index = storage::IndexCode::classes}),
+                  invalid_argument);
+}
+
+TEST_CASE("classes index at 0.5 % density: a fifth smaller than plain diff; needs the base") {
+  const storage::PublisherConfig plain{.encoding = storage::Encoding::diff};
+  storage::PublisherConfig classed = plain;
+  classed.index = storage::IndexCode::classes;
+  Setup a(plain, "small-qwen3", "tp=2", "tp=1", 1e-7);
+  Setup b(classed, "small-qwen3", "tp=2", "tp=1", 1e-7);
+  auto r = b.reader();
+  a.writers.publish(a.access);
+  b.writers.publish(b.access);
+  REQUIRE(r->poll().ok());
+  a.trainer.step();
+  b.trainer.step();
+  const auto x = a.writers.step(a.access);
+  const auto y = b.writers.step(b.access);
+  REQUIRE(y.has_value());
+  CHECK(y->changed == x->changed);
+  const double density = static_cast<double>(y->changed) / static_cast<double>(b.hf.total());
+  MESSAGE("density " << 100 * density << " %: plain " << x->bytes << " bytes, classes "
+                     << y->bytes);
+  CHECK(density < 0.01);
+  CHECK(y->bytes * 10 < x->bytes * 8);  // at least 20 % smaller
+  const auto got = r->poll();
+  REQUIRE_MESSAGE(got.ok(), got.error);
+  CHECK(b.mismatches(r, b.trainer.canonical_weights()) == 0);
+  CHECK(storage::verify_root(b.hf, b.dir.path).ok());
+  // Without the base its class-coded chunks are refused, naming the option.
+  const storage::Manifest m = storage::read_manifest(b.hf, b.dir.path, y->version);
+  std::size_t refused = 0;
+  for (const auto& e : m.chunks) {
+    const auto bytes = storage::read_chunk_bytes(storage::version_dir(b.dir.path, y->version), e);
+    try {
+      (void)storage::decode_chunk(b.hf, bytes, e.file);
+    } catch (const unsupported& u) {
+      CHECK(std::string(u.what()).find("plain index") != std::string::npos);
+      ++refused;
+    }
+  }
+  CHECK(refused == 2);  // each writer's diff chunk
 }
 
 TEST_CASE("retention: only what no registered reader can need goes; M10 incomplete stays") {

@@ -118,6 +118,11 @@ void register_simulate(CLI::App& app, int& status) {
                   "step from the previous one; needs --publish-every 1)")
       ->check(CLI::IsMember({"value", "diff"}))
       ->capture_default_str();
+  cmd->add_option("--index", o->index,
+                  "storage: plain (sorted index gaps) or classes (gaps among the positions of "
+                  "one base value class: smaller; needs --encoding diff)")
+      ->check(CLI::IsMember({"plain", "classes"}))
+      ->capture_default_str();
   cmd->add_option("--zstd-level", o->zstd_level, "storage: zstd level of the chunks")
       ->capture_default_str()
       ->check(CLI::Range(1, 19));

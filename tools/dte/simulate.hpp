@@ -20,7 +20,7 @@ struct SimulateOptions {
   std::int64_t deadline_ms = 30000;
   std::string fault;  // MPI fault injection: kill-receiver:R:V or stall-trainer:G:V
   // --transport storage
-  std::string dir, encoding = "value";
+  std::string dir, encoding = "value", index = "plain";
   std::int64_t anchor_every = 0, reader_lag = 0;
   int zstd_level = 3;
 };

@@ -199,6 +199,12 @@ int simulate_storage(const SimulateOptions& o) {
   cfg.publish_every = o.publish_every;
   cfg.zstd_level = o.zstd_level;
   cfg.encoding = o.encoding == "diff" ? storage::Encoding::diff : storage::Encoding::value;
+  cfg.index = o.index == "classes" ? storage::IndexCode::classes : storage::IndexCode::plain;
+  if (cfg.index == storage::IndexCode::classes && cfg.encoding != storage::Encoding::diff) {
+    throw invalid_argument(
+        "--index classes needs --encoding diff (its indices are coded against "
+        "the base version, which only a diff chunk relies on)");
+  }
   sim::StorageCluster writers(s.hf, s.train, o.dir, cfg);
   std::vector<std::int64_t> all(static_cast<std::size_t>(s.infer.replicas));
   for (std::size_t r = 0; r < all.size(); ++r)
@@ -226,12 +232,12 @@ int simulate_storage(const SimulateOptions& o) {
     std::printf(
         "dte simulate: %s (%lld parameters), train %s (%lld writers) -> storage %s -> "
         "infer %s (%lld ranks), %lld steps, anchor every %lld, reader lag %lld, %s encoding, "
-        "lr %g\n",
+        "%s index, lr %g\n",
         s.spec.name.c_str(), static_cast<long long>(s.hf.total()), o.train.c_str(),
         static_cast<long long>(s.train.world()), o.dir.c_str(), o.infer.c_str(),
         static_cast<long long>(s.infer.ranks()), static_cast<long long>(o.steps),
         static_cast<long long>(o.anchor_every), static_cast<long long>(o.reader_lag),
-        o.encoding.c_str(), o.lr);
+        o.encoding.c_str(), o.index.c_str(), o.lr);
     print_layout_settings(s.spec, s.train, o.stack);
   }
   auto record = [&](const storage::PublishReport& rep) {

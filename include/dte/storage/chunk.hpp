@@ -10,7 +10,9 @@
 //   "<name>:value_lo"  U8 [n]  their low bytes (last exponent bit, mantissa);
 // and in __metadata__: dte.format = "chunk-v1", dte.version, dte.base, dte.chunk (its number in
 // the version), dte.writer (the trainer rank), dte.encoding = "value" (the new bits) or "diff"
-// (the new bits as a step from those of the base version: storage/value_code.hpp; Encoding). The
+// (the new bits as a step from those of the base version: storage/value_code.hpp; Encoding), and
+// for a diff chunk optionally dte.index = "classes": the indices coded against the base version's
+// values instead (storage/class_index.hpp; IndexCode), decoded only with the base at hand. The
 // file is cut into up to
 // four zstd frames, the safetensors header, then every tensor's indices, every high byte,
 // every low byte (the data are laid out in that order): streams of one kind compress together
@@ -51,6 +53,7 @@
 #include "dte/error.hpp"
 #include "dte/io/safetensors.hpp"
 #include "dte/layout/hf.hpp"
+#include "dte/storage/class_index.hpp"
 #include "dte/storage/value_code.hpp"
 
 namespace dte::storage {
@@ -66,7 +69,37 @@ struct TensorDelta {
   std::int64_t tensor = -1;  // HfModel id
   std::vector<std::uint32_t> index;
   std::vector<std::uint16_t> bits;
-  friend bool operator==(const TensorDelta&, const TensorDelta&) = default;
+  // To write a class index (IndexCode::classes; storage/class_index.hpp), per index its base
+  // class (or unknown_class), the positions the writer owns in the entry's range and those of
+  // them another chunk writes. Decoding leaves them empty.
+  std::vector<std::int16_t> cls{};
+  std::vector<DomainGroup> domain{};
+  std::vector<std::uint32_t> skip{};
+  friend bool operator==(const TensorDelta& a, const TensorDelta& b) {
+    return a.tensor == b.tensor && a.index == b.index && a.bits == b.bits;
+  }
+};
+
+// How a chunk's indices are coded: plain (sorted gaps), or classes (the gaps among positions
+// of one base value class: storage/class_index.hpp; only a reader holding whole tensors of the
+// base can decode those, and only a diff chunk has them).
+enum class IndexCode : std::uint8_t { plain, classes };
+
+inline std::string_view index_code_name(IndexCode i) noexcept {
+  return i == IndexCode::plain ? "plain" : "classes";
+}
+
+// The bits a class index is coded against: bits(tensor, start, count, out) writes those of
+// positions [start, start + count) of HF tensor `tensor` in the base version (the writer: its
+// current weights, at the positions it does not send; a reader: what it holds before applying
+// anything of the version).
+class ClassBase {
+ public:
+  virtual void bits(std::int64_t tensor, std::uint64_t start, std::uint64_t count,
+                    std::uint16_t* out) const = 0;
+
+ protected:
+  ~ClassBase() = default;
 };
 
 struct ChunkHeader {
@@ -94,9 +127,28 @@ DTE_HOST_DEVICE constexpr std::uint16_t decode_value(Encoding e, std::uint16_t h
   return e == Encoding::diff ? diff_apply(held, stored) : stored;
 }
 
+// A ClassBase over whole HF tensors of 16-bit values (in HfModel order).
+template <class Tensors>
+class TensorsBase final : public ClassBase {
+ public:
+  explicit TensorsBase(const Tensors& tensors) : tensors_(&tensors) {}
+  void bits(std::int64_t tensor, std::uint64_t start, std::uint64_t count,
+            std::uint16_t* out) const override {
+    const auto& t = (*tensors_)[static_cast<std::size_t>(tensor)];
+    if (start > t.size() || count > t.size() - start) {
+      throw format_error("class index: positions past tensor " + std::to_string(tensor));
+    }
+    std::copy_n(t.begin() + static_cast<std::ptrdiff_t>(start), count, out);
+  }
+
+ private:
+  const Tensors* tensors_;
+};
+
 struct Chunk {
   ChunkHeader header;
   Encoding encoding = Encoding::value;
+  IndexCode index = IndexCode::plain;
   std::vector<TensorDelta> tensors;  // at most one per HF tensor
 };
 
@@ -118,19 +170,7 @@ inline void put_gaps(std::span<const std::uint32_t> sorted, std::vector<std::uin
                              " at position " + std::to_string(k) +
                              " does not follow the previous one; sort and deduplicate first");
     }
-    const std::uint64_t gap = sorted[k] - next;
-    if (gap < 255) {
-      out.push_back(static_cast<std::uint8_t>(gap));
-    } else {
-      out.push_back(255);
-      const std::uint64_t wide = gap < 65535 ? gap : 65535;
-      out.push_back(static_cast<std::uint8_t>(wide));
-      out.push_back(static_cast<std::uint8_t>(wide >> 8));
-      if (wide == 65535) {
-        for (int b = 0; b < 4; ++b)
-          out.push_back(static_cast<std::uint8_t>(gap >> (8 * b)));
-      }
-    }
+    detail::put_gap(sorted[k] - next, out);
     next = std::uint64_t{sorted[k]} + 1;
   }
 }
@@ -299,9 +339,10 @@ inline std::vector<std::byte> decompress_frames(std::span<const std::byte> bytes
   return plain;
 }
 
-// The chunk's compressed bytes. zstd_level: 1 (fast) to 19.
+// The chunk's compressed bytes. zstd_level: 1 (fast) to 19. base: what a class index is coded
+// against (needed when c.index is classes).
 inline std::vector<std::byte> encode_chunk(const layout::HfModel& hf, const Chunk& c,
-                                           int zstd_level = 3) {
+                                           int zstd_level = 3, const ClassBase* base = nullptr) {
   if (zstd_level < 1 || zstd_level > ZSTD_maxCLevel()) {
     throw invalid_argument("dte::storage::encode_chunk: zstd level " + std::to_string(zstd_level) +
                            " is outside 1.." + std::to_string(ZSTD_maxCLevel()));
@@ -316,6 +357,13 @@ inline std::vector<std::byte> encode_chunk(const layout::HfModel& hf, const Chun
   if (c.encoding == Encoding::diff && c.header.base == no_version) {
     throw invalid_argument(
         "dte::storage::encode_chunk: an anchor (no base) cannot be diff-encoded");
+  }
+  if (c.index == IndexCode::classes) {
+    if (c.encoding != Encoding::diff || base == nullptr) {
+      throw invalid_argument(
+          "dte::storage::encode_chunk: a class index needs the diff encoding and the base bits");
+    }
+    w.set_metadata("dte.index", "classes");
   }
   std::vector<std::vector<std::uint8_t>> hi(c.tensors.size()), lo(c.tensors.size());
   std::size_t values = 0;
@@ -338,7 +386,26 @@ inline std::vector<std::byte> encode_chunk(const layout::HfModel& hf, const Chun
                              std::to_string(hf[t.tensor].numel()) + " elements");
     }
     std::vector<std::uint8_t> gaps;
-    put_gaps(t.index, gaps);
+    if (c.index == IndexCode::classes) {
+      // Per entry the smaller: a mode byte, then the plain gap code (0) or the class index (1)
+      // (a small tensor, a norm, costs less plainly than its class table and groups). What zstd
+      // makes of the plain code is estimated as the best Rice code of its gaps (about their
+      // entropy when they are geometric, as the class index's are; an order-0 count of so few
+      // bytes would promise far less than zstd reaches).
+      std::vector<std::uint8_t> plain{0}, classed{1};
+      put_gaps(t.index, plain);
+      put_class_index(
+          {t.index, t.cls, t.domain, t.skip},
+          [&](std::uint64_t start, std::uint64_t count, std::uint16_t* out) {
+            base->bits(t.tensor, start, count, out);
+          },
+          classed);
+      const std::uint64_t plain_cost = std::min<std::uint64_t>(
+          plain.size(), (detail::rice_bits(t.index, detail::best_rice(t.index)) + 7) / 8);
+      gaps = classed.size() < plain_cost ? std::move(classed) : std::move(plain);
+    } else {
+      put_gaps(t.index, gaps);
+    }
     values += t.bits.size();
     w.add<std::uint8_t>(name + ":index", {gaps.size()}, gaps, io::DType::U8);
     for (std::uint16_t b : t.bits) {
@@ -383,10 +450,33 @@ inline std::vector<std::byte> encode_chunk(const layout::HfModel& hf, const Chun
 
 // The chunk in `bytes` (as read from storage; `source` names it in errors). expect: the header
 // the manifest says this chunk has (null: any); max_bytes: the decompressed size refused
-// unread. Refuses everything the header comment lists.
+// unread; base: the bits held before the version, which a class index is resolved against (a
+// chunk with one is refused, unsupported, without it). Refuses everything the header comment
+// lists.
+namespace detail {
+inline Chunk decode_chunk(const layout::HfModel& hf, std::span<const std::byte> bytes,
+                          const std::string& source, const ChunkHeader* expect,
+                          std::uint64_t max_bytes, const ClassBase* base, bool resolve);
+}  // namespace detail
+
 inline Chunk decode_chunk(const layout::HfModel& hf, std::span<const std::byte> bytes,
                           const std::string& source, const ChunkHeader* expect = nullptr,
-                          std::uint64_t max_bytes = max_decoded_bytes) {
+                          std::uint64_t max_bytes = max_decoded_bytes,
+                          const ClassBase* base = nullptr) {
+  return detail::decode_chunk(hf, bytes, source, expect, max_bytes, base, true);
+}
+
+// Every check of decode_chunk but the resolution of class indices, which needs the base: for
+// a chunk whose base is not at hand (`dte verify` after a break in the chain).
+inline void check_chunk(const layout::HfModel& hf, std::span<const std::byte> bytes,
+                        const std::string& source, const ChunkHeader* expect = nullptr,
+                        std::uint64_t max_bytes = max_decoded_bytes) {
+  (void)detail::decode_chunk(hf, bytes, source, expect, max_bytes, nullptr, false);
+}
+
+inline Chunk detail::decode_chunk(const layout::HfModel& hf, std::span<const std::byte> bytes,
+                                  const std::string& source, const ChunkHeader* expect,
+                                  std::uint64_t max_bytes, const ClassBase* base, bool resolve) {
   std::vector<std::byte> plain = decompress_frames(bytes, source, max_bytes);
   const io::SafetensorsFile file = io::SafetensorsFile::parse(std::move(plain), source);
   const auto& meta = file.metadata();
@@ -412,6 +502,16 @@ inline Chunk decode_chunk(const layout::HfModel& hf, std::span<const std::byte> 
   c.header.writer = static_cast<std::uint32_t>(writer);
   if (c.encoding == Encoding::diff && c.header.base == no_version) {
     throw format_error(source + ": a diff-encoded chunk without a base version");
+  }
+  if (const auto it = meta.find("dte.index"); it != meta.end()) {
+    if (it->second != "classes" && it->second != "plain") {
+      throw format_error(source + ": dte.index \"" + it->second +
+                         "\" is not one this reader decodes (plain, classes)");
+    }
+    c.index = it->second == "classes" ? IndexCode::classes : IndexCode::plain;
+  }
+  if (c.index == IndexCode::classes && c.encoding != Encoding::diff) {
+    throw format_error(source + ": a class index in a chunk that is not diff-encoded");
   }
   if (expect != nullptr && !(c.header == *expect)) {
     throw protocol_error(
@@ -462,8 +562,40 @@ inline Chunk decode_chunk(const layout::HfModel& hf, std::span<const std::byte> 
     const auto gap_bytes = file.bytes(info);
     TensorDelta t;
     t.tensor = id;
-    t.index = get_gaps({reinterpret_cast<const std::uint8_t*>(gap_bytes.data()), gap_bytes.size()},
-                       n, static_cast<std::uint64_t>(hf[id].numel()), where);
+    const std::span<const std::uint8_t> code{
+        reinterpret_cast<const std::uint8_t*>(gap_bytes.data()), gap_bytes.size()};
+    const auto numel = static_cast<std::uint64_t>(hf[id].numel());
+    if (c.index == IndexCode::classes && (code.empty() || code[0] > 1)) {
+      throw format_error(where +
+                         ": an index stream of a classes chunk starts with its mode, 0 "
+                         "(plain) or 1 (class index)");
+    }
+    if (c.index == IndexCode::classes && code[0] == 0) {
+      t.index = get_gaps(code.subspan(1), n, numel, where);
+    } else if (c.index == IndexCode::classes) {
+      const ClassIndex x = get_class_index(code.subspan(1), numel, where);
+      if (x.values != n) {
+        throw format_error(where + ": the class index names " + std::to_string(x.values) +
+                           " elements, the value planes hold " + std::to_string(n));
+      }
+      if (base == nullptr && !resolve) {
+        // (check_chunk: parsed and bounded, not resolved)
+      } else if (base == nullptr) {
+        throw unsupported(source +
+                          ": its indices are coded against the base version (dte.index "
+                          "classes), which this reader does not hold whole; publish with the "
+                          "plain index");
+      } else {
+        t.index = resolve_class_index(
+            x,
+            [&](std::uint64_t start, std::uint64_t count, std::uint16_t* out) {
+              base->bits(id, start, count, out);
+            },
+            where);
+      }
+    } else {
+      t.index = get_gaps(code, n, numel, where);
+    }
     const auto high = file.bytes(hi);
     const auto low = file.bytes(lo);
     t.bits.resize(static_cast<std::size_t>(n));

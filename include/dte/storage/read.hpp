@@ -75,12 +75,21 @@ inline std::vector<std::byte> read_chunk_bytes(const std::filesystem::path& dir,
   return bytes;
 }
 
-// Chunk `e` of manifest `m`, read, verified and decoded.
+// Chunk `e` of manifest `m`, read, verified and decoded (a class index against `base`, the
+// bits held before version m; storage/class_index.hpp).
 inline Chunk read_chunk(const layout::HfModel& hf, const std::filesystem::path& dir,
-                        const Manifest& m, const ChunkEntry& e) {
+                        const Manifest& m, const ChunkEntry& e, const ClassBase* base = nullptr) {
   const std::vector<std::byte> bytes = read_chunk_bytes(dir, e);
   const ChunkHeader expect{m.version, m.base, e.chunk, e.writer};
-  return decode_chunk(hf, bytes, (dir / e.file).string(), &expect);
+  return decode_chunk(hf, bytes, (dir / e.file).string(), &expect, max_decoded_bytes, base);
+}
+
+// ... read, verified and checked, its class index (if any) left unresolved.
+inline void check_chunk_file(const layout::HfModel& hf, const std::filesystem::path& dir,
+                             const Manifest& m, const ChunkEntry& e) {
+  const std::vector<std::byte> bytes = read_chunk_bytes(dir, e);
+  const ChunkHeader expect{m.version, m.base, e.chunk, e.writer};
+  check_chunk(hf, bytes, (dir / e.file).string(), &expect);
 }
 
 // The largest manifest a reader reads (2^20 chunks of about 120 bytes each fit).

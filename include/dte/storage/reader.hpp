@@ -253,8 +253,11 @@ class Reader {
       std::sort(order.begin(), order.end(), [](const ChunkEntry& a, const ChunkEntry& b) {
         return std::pair(a.writer, a.chunk) < std::pair(b.writer, b.chunk);
       });
+      const HeldBase held(*this);
       for (const ChunkEntry& e : order) {
-        const Chunk c = read_chunk(*hf_, dir, m, e);
+        // (device memory is not read back: a class index is then refused, as diff values are)
+        const Chunk c =
+            read_chunk(*hf_, dir, m, e, receivers_.front()->has_sink() ? nullptr : &held);
         rep.bytes_read += e.bytes;
         const bool diff = c.encoding == Encoding::diff;
         if (diff && receivers_.front()->has_sink()) {
@@ -301,6 +304,35 @@ class Reader {
     }
     check_digest(m);
   }
+
+  // What the first served replica holds, as the base of a class index (nothing of the version
+  // is applied while its chunks are decoded): one layout lookup per index-contiguous run.
+  class HeldBase final : public ClassBase {
+   public:
+    explicit HeldBase(const Reader& r) : r_(&r) {}
+    void bits(std::int64_t tensor, std::uint64_t start, std::uint64_t count,
+              std::uint16_t* out) const override {
+      while (count > 0) {
+        const layout::Canonical c{tensor, static_cast<std::int64_t>(start)};
+        const auto n = std::min<std::uint64_t>(
+            count,
+            static_cast<std::uint64_t>(std::max<std::int64_t>(1, r_->layout_->contiguous(c))));
+        bool first = true;
+        r_->layout_->targets(c, [&](const layout::ReceiverElement& e) {
+          if (!first) return;
+          first = false;
+          const auto held = r_->receivers_[static_cast<std::size_t>(e.ts)]->tensor(e.tensor);
+          std::copy_n(held.begin() + static_cast<std::ptrdiff_t>(e.index), n, out);
+        });
+        out += n;
+        start += n;
+        count -= n;
+      }
+    }
+
+   private:
+    const Reader* r_;
+  };
 
   // The bits the first served replica holds for canonical element (tensor, index).
   [[nodiscard]] std::uint16_t held_bits(std::int64_t tensor, std::int64_t index) const {
