@@ -44,6 +44,7 @@
 // (storage/chunk.hpp).
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -351,8 +352,15 @@ void put_class_index(const ClassedEntry& e, Base&& base, std::vector<std::uint8_
       }
       bits.resize(static_cast<std::size_t>(d.length));
       base(start, d.length, bits.data());
-      for (std::uint64_t p = start; p < stop; ++p) {
+      for (std::uint64_t p = start; p < stop;) {
+        // (the positions up to the next index or skip are only counted: a tight loop)
+        const std::uint64_t event = std::min<std::uint64_t>(
+            {stop, k < e.index.size() ? e.index[k] : stop, s < e.skip.size() ? e.skip[s] : stop});
+        for (; p < event; ++p)
+          ++seen[value_class(bits[static_cast<std::size_t>(p - start)])];
+        if (p == stop) break;
         if (k < e.index.size() && e.index[k] == p) {
+          if (s < e.skip.size() && e.skip[s] == p) refuse("a skip is also an index");
           const int c = e.cls[k];
           if (c == unknown_class) {
             exceptions.push_back(static_cast<std::uint32_t>(p));
@@ -362,12 +370,12 @@ void put_class_index(const ClassedEntry& e, Base&& base, std::vector<std::uint8_
             ranks[cc].push_back(static_cast<std::uint32_t>(seen[cc]++));
           }
           ++k;
-          if (s < e.skip.size() && e.skip[s] == p) refuse("a skip is also an index");
         } else if (s < e.skip.size() && e.skip[s] == p) {
           ++s;
         } else {
-          ++seen[value_class(bits[static_cast<std::size_t>(p - start)])];
+          refuse("indices or skips not sorted");
         }
+        ++p;
       }
     }
   }
@@ -500,25 +508,30 @@ std::vector<std::uint32_t> resolve_class_index(const ClassIndex& x, Base&& base,
       }
       bits.resize(static_cast<std::size_t>(d.length));
       base(start, d.length, bits.data());
-      for (std::uint64_t i = 0; i < d.length; ++i) {
-        const std::uint64_t p = start + i;
+      const std::uint64_t stop = start + d.length;
+      for (std::uint64_t p = start; p < stop;) {
+        // (up to the next exception or skip, every position is classed and maybe sent)
+        const std::uint64_t event =
+            std::min<std::uint64_t>({stop, e < x.exceptions.size() ? x.exceptions[e] : stop,
+                                     s < x.skip.size() ? x.skip[s] : stop});
+        for (; p < event; ++p) {
+          const std::uint8_t c = value_class(bits[static_cast<std::size_t>(p - start)]);
+          if (seen[c]++ == next[c]) {
+            out.push_back(static_cast<std::uint32_t>(p));
+            next[c] = ++at[c] < list[c]->size() ? (*list[c])[at[c]] : none;
+          }
+        }
+        if (p == stop) break;
         const bool exc = e < x.exceptions.size() && x.exceptions[e] == p;
         const bool skip = s < x.skip.size() && x.skip[s] == p;
-        if (exc || skip) {
-          if (exc && skip) fail("position " + std::to_string(p) + " is both exception and skip");
-          if (exc) {
-            out.push_back(static_cast<std::uint32_t>(p));
-            ++e;
-          } else {
-            ++s;
-          }
-          continue;
-        }
-        const std::uint8_t c = value_class(bits[static_cast<std::size_t>(i)]);
-        if (seen[c]++ == next[c]) {
+        if (exc && skip) fail("position " + std::to_string(p) + " is both exception and skip");
+        if (exc) {
           out.push_back(static_cast<std::uint32_t>(p));
-          next[c] = ++at[c] < list[c]->size() ? (*list[c])[at[c]] : none;
+          ++e;
+        } else {
+          ++s;
         }
+        ++p;
       }
     }
   }

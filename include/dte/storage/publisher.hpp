@@ -595,12 +595,10 @@ class Publisher {
       if (cfg_.encoding == Encoding::diff && !anchor && stepped_once_) {
         std::optional<ShardBase> classes;
         if (cfg_.index == IndexCode::classes) {
-          classes.emplace(
-              *hf_, sender_.runs(),
-              [&](layout::BufferKind b) {
-                return access.theta(static_cast<std::int64_t>(rank), b);
-              },
-              &Detect::store);
+          classes.emplace(std::type_identity<Detect>{}, *hf_, sender_.runs(),
+                          [&](layout::BufferKind b) {
+                            return access.theta(static_cast<std::int64_t>(rank), b);
+                          });
         }
         detail::ChunkSink<true, detail::ChunkFiles> sink(*hf_, {v, base, 0, rank}, cfg_.zstd_level,
                                                          cfg_.chunk_entries, {dir, anchor},

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -21,14 +22,18 @@ namespace dte::storage {
 
 class ShardBase final : public ClassBase {
  public:
-  using Round = std::uint16_t (*)(float);
-
-  // theta(b): the rank's weights of buffer b (they must outlive this object); round: the
-  // detector's FP32 -> 16-bit rounding. Throws unsupported when a tensor's runs do not follow
-  // its index order in shard order (its elements would not reach the chunk sink sorted).
-  template <class Theta>
-  ShardBase(const layout::HfModel& hf, const pipeline::RunTable& table, Theta&& theta, Round round)
-      : runs_(static_cast<std::size_t>(hf.size())), round_(round) {
+  // theta(b): the rank's weights of buffer b (they must outlive this object); Detect: the
+  // change detector, whose FP32 -> 16-bit rounding (Detect::store) gives the bits. Throws
+  // unsupported when a tensor's runs do not follow its index order in shard order (its
+  // elements would not reach the chunk sink sorted).
+  template <class Detect, class Theta>
+  ShardBase(std::type_identity<Detect>, const layout::HfModel& hf, const pipeline::RunTable& table,
+            Theta&& theta)
+      : runs_(static_cast<std::size_t>(hf.size())),
+        round_([](const float* w, std::uint64_t n, std::uint16_t* out) {
+          for (std::uint64_t i = 0; i < n; ++i)  // (inlined: one call per run, not per element)
+            out[i] = Detect::store(w[i]);
+        }) {
     for_each_run(hf, table, [&](layout::BufferKind b, const pipeline::Run& r, std::uint64_t start) {
       const std::span<const float> w = theta(b);
       if (static_cast<std::size_t>(r.shard_begin + r.length) > w.size()) {
@@ -71,9 +76,7 @@ class ShardBase final : public ClassBase {
       }
       const Piece& p = *std::prev(it);
       const std::uint64_t n = std::min(count, p.start + p.length - start);
-      const float* w = p.theta + (start - p.start);
-      for (std::uint64_t i = 0; i < n; ++i)
-        out[i] = round_(w[i]);
+      round_(p.theta + (start - p.start), n, out);
       out += n;
       start += n;
       count -= n;
@@ -110,7 +113,7 @@ class ShardBase final : public ClassBase {
     const float* theta;
   };
   std::vector<std::vector<Piece>> runs_;  // per HF tensor, in index order
-  Round round_;
+  void (*round_)(const float*, std::uint64_t, std::uint16_t*);
 };
 
 }  // namespace dte::storage
