@@ -85,10 +85,6 @@ struct TensorDelta {
 // base can decode those, and only a diff chunk has them).
 enum class IndexCode : std::uint8_t { plain, classes };
 
-inline std::string_view index_code_name(IndexCode i) noexcept {
-  return i == IndexCode::plain ? "plain" : "classes";
-}
-
 // The bits a class index is coded against: bits(tensor, start, count, out) writes those of
 // positions [start, start + count) of HF tensor `tensor` in the base version (the writer: its
 // current weights, at the positions it does not send; a reader: what it holds before applying

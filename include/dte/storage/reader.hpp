@@ -324,6 +324,10 @@ class Reader {
           const auto held = r_->receivers_[static_cast<std::size_t>(e.ts)]->tensor(e.tensor);
           std::copy_n(held.begin() + static_cast<std::ptrdiff_t>(e.index), n, out);
         });
+        if (first) {
+          throw error("storage::Reader: element " + std::to_string(start) + " of " +
+                      r_->hf_->name(tensor) + " has no receiver copy (report this)");
+        }
         out += n;
         start += n;
         count -= n;
