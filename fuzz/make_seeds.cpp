@@ -98,6 +98,17 @@ int main(int argc, char** argv) {
   // fuzz_chunk: first byte even = the stored chunk, odd = the container before zstd.
   std::filesystem::create_directories(root / "chunk");
   const layout::HfModel hf(layout::model_preset("tiny-qwen3"));
+  // (a stored chunk as "stored_<name>", its container as "container_<name>")
+  const auto chunk_seeds = [&](const std::vector<std::byte>& stored, const std::string& name) {
+    std::vector<std::uint8_t> a{0};
+    for (std::byte b : stored)
+      a.push_back(static_cast<std::uint8_t>(b));
+    write(root / "chunk" / ("stored_" + name), a);
+    std::vector<std::uint8_t> plain{1};
+    for (std::byte b : storage::decompress_frames(stored, "seed"))
+      plain.push_back(static_cast<std::uint8_t>(b));
+    write(root / "chunk" / ("container_" + name), plain);
+  };
   for (std::uint32_t seed = 0; seed < 3; ++seed) {
     storage::Chunk c;
     c.header = {5 + seed, 4 + seed, seed, seed};
@@ -110,15 +121,7 @@ int main(int argc, char** argv) {
       c.tensors.push_back(std::move(d));
     }
     const auto stored = storage::encode_chunk(hf, c, 1);
-    std::vector<std::uint8_t> a{0};
-    for (std::byte b : stored)
-      a.push_back(static_cast<std::uint8_t>(b));
-    write(root / "chunk" / ("stored_" + std::to_string(seed)), a);
-    const std::vector<std::byte> frames = storage::decompress_frames(stored, "seed");
-    std::vector<std::uint8_t> plain{1};
-    for (std::byte b : frames)
-      plain.push_back(static_cast<std::uint8_t>(b));
-    write(root / "chunk" / ("container_" + std::to_string(seed)), plain);
+    chunk_seeds(stored, std::to_string(seed));
   }
   {
     // A diff chunk with a class index against the fuzzer's base (chunk_base.hpp).
@@ -145,15 +148,7 @@ int main(int argc, char** argv) {
     }
     const fuzz::PatternBase base;
     const auto stored = storage::encode_chunk(hf, c, 1, &base);
-    std::vector<std::uint8_t> a{0};
-    for (std::byte b : stored)
-      a.push_back(static_cast<std::uint8_t>(b));
-    write(root / "chunk" / "stored_classes", a);
-    const std::vector<std::byte> frames = storage::decompress_frames(stored, "seed");
-    std::vector<std::uint8_t> plain{1};
-    for (std::byte b : frames)
-      plain.push_back(static_cast<std::uint8_t>(b));
-    write(root / "chunk" / "container_classes", plain);
+    chunk_seeds(stored, "classes");
   }
   std::filesystem::create_directories(root / "manifest");
   for (const bool anchor : {false, true}) {

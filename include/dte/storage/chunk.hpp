@@ -179,45 +179,26 @@ inline std::vector<std::uint32_t> get_gaps(std::span<const std::uint8_t> in, std
     throw format_error(where + ": " + std::to_string(count) + " values but only " +
                        std::to_string(in.size()) + " index bytes (each index takes at least one)");
   }
-  std::vector<std::uint32_t> out;
-  out.reserve(static_cast<std::size_t>(count));
-  std::uint64_t next = 0;
   std::size_t at = 0;
-  const auto take = [&](int bytes, std::uint64_t k) {
-    if (in.size() - at < static_cast<std::size_t>(bytes)) {
-      throw format_error(where + ": index " + std::to_string(k) +
-                         " is escaped but the stream ends inside its " + std::to_string(bytes) +
-                         " bytes");
-    }
-    std::uint64_t v = 0;
-    for (int b = 0; b < bytes; ++b)
-      v |= std::uint64_t{in[at++]} << (8 * b);
-    return v;
-  };
-  for (std::uint64_t k = 0; k < count; ++k) {
-    if (at >= in.size()) {
-      throw format_error(where + ": the index stream ends after " + std::to_string(k) + " of " +
-                         std::to_string(count) + " indices");
-    }
-    std::uint64_t gap = in[at++];
-    if (gap == 255) {
-      gap = take(2, k);
-      if (gap == 65535) gap = take(4, k);
-    }
-    const std::uint64_t index = next + gap;
-    if (index >= numel) {
-      throw format_error(where + ": index " + std::to_string(index) + " (entry " +
-                         std::to_string(k) + ") is outside the tensor's " + std::to_string(numel) +
-                         " elements");
-    }
-    out.push_back(static_cast<std::uint32_t>(index));
-    next = index + 1;
-  }
+  std::vector<std::uint32_t> values = detail::take_gaps<std::uint32_t>(
+      in, at, count, numel, [&](detail::GapFault f, std::uint64_t k, std::uint64_t v) {
+        if (f == detail::GapFault::ends) {
+          throw format_error(where + ": the index stream ends after " + std::to_string(k) + " of " +
+                             std::to_string(count) + " indices");
+        }
+        if (f == detail::GapFault::escape_ends) {
+          throw format_error(where + ": index " + std::to_string(k) +
+                             " is escaped but the stream ends inside its " + std::to_string(v) +
+                             " bytes");
+        }
+        throw format_error(where + ": index " + std::to_string(v) + " (entry " + std::to_string(k) +
+                           ") is outside the tensor's " + std::to_string(numel) + " elements");
+      });
   if (at != in.size()) {
     throw format_error(where + ": " + std::to_string(in.size() - at) +
                        " bytes follow the last of the " + std::to_string(count) + " indices");
   }
-  return out;
+  return values;
 }
 
 namespace detail {

@@ -126,6 +126,42 @@ inline void put_gap(std::uint64_t gap, std::vector<std::uint8_t>& out) {
   }
 }
 
+// What take_gaps found wrong.
+enum class GapFault { ends, escape_ends, past_limit };
+
+// Reads `count` values of the gap code from in[at...] (advancing at), each below `limit`, as T;
+// fail(fault, entry, value) throws: value is the escape's byte count for escape_ends, the value
+// for past_limit.
+template <class T, class Fail>
+std::vector<T> take_gaps(std::span<const std::uint8_t> in, std::size_t& at, std::uint64_t count,
+                         std::uint64_t limit, Fail&& fail) {
+  std::vector<T> out;
+  out.reserve(static_cast<std::size_t>(count));
+  const auto fixed = [&](int bytes, std::uint64_t k) {
+    if (in.size() - at < static_cast<std::size_t>(bytes)) {
+      fail(GapFault::escape_ends, k, static_cast<std::uint64_t>(bytes));
+    }
+    std::uint64_t v = 0;
+    for (int b = 0; b < bytes; ++b)
+      v |= std::uint64_t{in[at++]} << (8 * b);
+    return v;
+  };
+  std::uint64_t next = 0;
+  for (std::uint64_t k = 0; k < count; ++k) {
+    if (at >= in.size()) fail(GapFault::ends, k, 0);
+    std::uint64_t gap = in[at++];
+    if (gap == 255) {
+      gap = fixed(2, k);
+      if (gap == 65535) gap = fixed(4, k);
+    }
+    const std::uint64_t v = next + gap;
+    if (v >= limit) fail(GapFault::past_limit, k, v);
+    out.push_back(static_cast<T>(v));
+    next = v + 1;
+  }
+  return out;
+}
+
 inline void put_varint(std::uint64_t v, std::vector<std::uint8_t>& out) {
   while (v >= 0x80) {
     out.push_back(static_cast<std::uint8_t>(v | 0x80));
@@ -215,24 +251,16 @@ class StreamReader {
       fail(std::to_string(count) + " " + what + " but only " + std::to_string(in_.size() - at_) +
            " bytes left (each takes at least one)");
     }
-    std::vector<std::uint64_t> out;
-    out.reserve(static_cast<std::size_t>(count));
-    std::uint64_t next = 0;
-    for (std::uint64_t k = 0; k < count; ++k) {
-      std::uint64_t gap = byte(what);
-      if (gap == 255) {
-        gap = fixed(2, what);
-        if (gap == 65535) gap = fixed(4, what);
-      }
-      const std::uint64_t v = next + gap;
-      if (v >= limit) {
-        fail(std::string(what) + " entry " + std::to_string(k) + " is " + std::to_string(v) +
-             ", not below " + std::to_string(limit));
-      }
-      out.push_back(v);
-      next = v + 1;
-    }
-    return out;
+    return take_gaps<std::uint64_t>(
+        in_, at_, count, limit, [&](GapFault f, std::uint64_t k, std::uint64_t v) {
+          if (f == GapFault::ends) {
+            fail(std::string("the stream ends before ") + what);
+          } else if (f == GapFault::escape_ends) {
+            fail(std::string("the stream ends inside an escaped gap of ") + what);
+          }
+          fail(std::string(what) + " entry " + std::to_string(k) + " is " + std::to_string(v) +
+               ", not below " + std::to_string(limit));
+        });
   }
   // `count` strictly increasing values below `limit`, as put_rice wrote their gaps with
   // parameter r, from the current byte; the stream then continues at the next byte.
@@ -283,16 +311,6 @@ class StreamReader {
   }
 
  private:
-  std::uint64_t fixed(int bytes, const char* what) {
-    if (in_.size() - at_ < static_cast<std::size_t>(bytes)) {
-      fail(std::string("the stream ends inside an escaped gap of ") + what);
-    }
-    std::uint64_t v = 0;
-    for (int b = 0; b < bytes; ++b)
-      v |= std::uint64_t{in_[at_++]} << (8 * b);
-    return v;
-  }
-
   std::span<const std::uint8_t> in_;
   const std::string& where_;
   std::size_t at_ = 0;
@@ -384,11 +402,7 @@ void put_class_index(const ClassedEntry& e, Base&& base, std::vector<std::uint8_
   }
   const auto put_positions = [&](std::span<const std::uint32_t> v) {
     put_varint(v.size(), out);
-    std::uint64_t next = 0;
-    for (std::uint32_t x : v) {
-      detail::put_gap(x - next, out);
-      next = std::uint64_t{x} + 1;
-    }
+    detail::for_each_gap(v, [&](std::uint64_t g) { detail::put_gap(g, out); });
   };
   put_positions(exceptions);
   put_positions(e.skip);

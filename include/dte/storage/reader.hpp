@@ -313,21 +313,11 @@ class Reader {
     void bits(std::int64_t tensor, std::uint64_t start, std::uint64_t count,
               std::uint16_t* out) const override {
       while (count > 0) {
-        const layout::Canonical c{tensor, static_cast<std::int64_t>(start)};
-        const auto n = std::min<std::uint64_t>(
-            count,
-            static_cast<std::uint64_t>(std::max<std::int64_t>(1, r_->layout_->contiguous(c))));
-        bool first = true;
-        r_->layout_->targets(c, [&](const layout::ReceiverElement& e) {
-          if (!first) return;
-          first = false;
-          const auto held = r_->receivers_[static_cast<std::size_t>(e.ts)]->tensor(e.tensor);
-          std::copy_n(held.begin() + static_cast<std::ptrdiff_t>(e.index), n, out);
-        });
-        if (first) {
-          throw error("storage::Reader: element " + std::to_string(start) + " of " +
-                      r_->hf_->name(tensor) + " has no receiver copy (report this)");
-        }
+        const auto n =
+            std::min<std::uint64_t>(count, static_cast<std::uint64_t>(std::max<std::int64_t>(
+                                               1, r_->layout_->contiguous(layout::Canonical{
+                                                      tensor, static_cast<std::int64_t>(start)}))));
+        r_->copy_held(tensor, static_cast<std::int64_t>(start), n, out);
         out += n;
         start += n;
         count -= n;
@@ -338,16 +328,26 @@ class Reader {
     const Reader* r_;
   };
 
-  // The bits the first served replica holds for canonical element (tensor, index).
-  [[nodiscard]] std::uint16_t held_bits(std::int64_t tensor, std::int64_t index) const {
-    std::uint16_t bits = 0;
+  // The bits the first served replica holds for canonical elements [index, index + n) of
+  // `tensor` (n within one index-contiguous run of the layout), into out.
+  void copy_held(std::int64_t tensor, std::int64_t index, std::uint64_t n,
+                 std::uint16_t* out) const {
     bool first = true;
     layout_->targets(layout::Canonical{tensor, index}, [&](const layout::ReceiverElement& e) {
       if (!first) return;
       first = false;
-      bits = receivers_[static_cast<std::size_t>(e.ts)]->tensor(
-          e.tensor)[static_cast<std::size_t>(e.index)];
+      const auto held = receivers_[static_cast<std::size_t>(e.ts)]->tensor(e.tensor);
+      std::copy_n(held.begin() + static_cast<std::ptrdiff_t>(e.index), n, out);
     });
+    if (first) {
+      throw error("storage::Reader: element " + std::to_string(index) + " of " + hf_->name(tensor) +
+                  " has no receiver copy (report this)");
+    }
+  }
+
+  [[nodiscard]] std::uint16_t held_bits(std::int64_t tensor, std::int64_t index) const {
+    std::uint16_t bits = 0;
+    copy_held(tensor, index, 1, &bits);
     return bits;
   }
 
