@@ -40,7 +40,7 @@ struct World {
   }();
   layout::HfModel hf{spec};
   layout::TrainTopology train = layout::parse_train_topology("tp=4");
-  layout::SglangLayout recv{hf, layout::parse_infer_topology("tp=2,replicas=2")};
+  layout::ServingLayout recv{hf, layout::parse_infer_topology("tp=2,replicas=2")};
   HostExecutor exec;
   Sender sender{hf, train, recv, 0, false, exec};
   std::int64_t size = sender.plan().shard_size(layout::BufferKind::dense);

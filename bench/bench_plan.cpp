@@ -28,7 +28,7 @@ void BM_plan_build(benchmark::State& state) {
   const Case& c = kCases[state.range(0)];
   const HfModel hf(model_preset(c.model));
   const TrainTopology t = parse_train_topology(c.train);
-  const SglangLayout recv(hf, parse_infer_topology(c.infer));
+  const ServingLayout recv(hf, parse_infer_topology(c.infer));
   std::int64_t rank = 0;
   for (auto _ : state) {
     TransferPlan plan(hf, t, recv, rank);
@@ -42,7 +42,7 @@ void BM_route(benchmark::State& state) {
   const Case& c = kCases[state.range(0)];
   const HfModel hf(model_preset(c.model));
   const TrainTopology t = parse_train_topology(c.train);
-  const SglangLayout recv(hf, parse_infer_topology(c.infer));
+  const ServingLayout recv(hf, parse_infer_topology(c.infer));
   const TransferPlan plan(hf, t, recv, 0);
   const BufferKind b = hf.spec().moe() ? BufferKind::expert : BufferKind::dense;
   std::mt19937_64 rng(1);

@@ -175,7 +175,7 @@ int main(int argc, char** argv) {
   const bool as_json = argc > 1 && std::strcmp(argv[1], "--json") == 0;
   const layout::HfModel hf(layout::model_preset("small-qwen3"));
   const auto train = layout::parse_train_topology("tp=2");
-  const layout::SglangLayout recv(hf, layout::parse_infer_topology("tp=1"));
+  const layout::ServingLayout recv(hf, layout::parse_infer_topology("tp=1"));
   const std::filesystem::path base =
       std::filesystem::temp_directory_path() / ("dte-bench-storage-" + std::to_string(::getpid()));
   nlohmann::ordered_json rows = nlohmann::ordered_json::array();

@@ -75,7 +75,7 @@ struct MyAccess {
 int main() {
   using namespace dte;
   const layout::HfModel model(layout::model_preset("tiny-qwen3"));
-  const layout::SglangLayout receivers(model, layout::parse_infer_topology("tp=2"));
+  const layout::ServingLayout receivers(model, layout::parse_infer_topology("tp=2"));
   const auto n = static_cast<std::size_t>(model.total());
   MyTrainer trainer{&model, std::vector<float>(n), std::vector<float>(n, 0.0f),
                     std::vector<float>(n, 0.0f)};

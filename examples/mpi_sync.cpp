@@ -24,7 +24,7 @@ int main(int argc, char** argv) {
   try {
     const layout::HfModel model(layout::model_preset("tiny-qwen3"));
     const layout::TrainTopology train = layout::parse_train_topology("tp=2,dp=2");
-    const layout::SglangLayout receivers(model, layout::parse_infer_topology("tp=2"));
+    const layout::ServingLayout receivers(model, layout::parse_infer_topology("tp=2"));
     // Every process builds the trainer here for simplicity; only trainer ranks read it.
     sim::SyntheticTrainer trainer(model, train, receivers, {.lr = 1e-5, .warmup_steps = 2});
     const sim::AdamWAccess access{&trainer};

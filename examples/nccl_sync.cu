@@ -60,7 +60,7 @@ int main(int argc, char** argv) {
     const layout::HfModel model(layout::model_preset("tiny-qwen3"));
     const layout::TrainTopology train =
         layout::parse_train_topology("tp=1,dp=" + std::to_string(senders));
-    const layout::SglangLayout receivers(
+    const layout::ServingLayout receivers(
         model, layout::parse_infer_topology("tp=" + std::to_string(receivers_n)));
     // Every process builds the trainer here for simplicity; only trainer ranks read it.
     sim::SyntheticTrainer trainer(model, train, receivers, {.lr = 1e-5, .warmup_steps = 2});

@@ -18,7 +18,7 @@ int main() {
   using namespace dte;
   const layout::HfModel model(layout::model_preset("small-qwen3"));
   const layout::TrainTopology train = layout::parse_train_topology("tp=2,dp=2");
-  const layout::SglangLayout receivers(model, layout::parse_infer_topology("tp=4,replicas=2"));
+  const layout::ServingLayout receivers(model, layout::parse_infer_topology("tp=4,replicas=2"));
 
   sim::SyntheticTrainer trainer(model, train, receivers, {.lr = 1e-6, .warmup_steps = 2});
   const sim::AdamWAccess access{&trainer};  // the FP32 shards and an AdamWInverse per segment

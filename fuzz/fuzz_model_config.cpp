@@ -9,7 +9,7 @@
 #include "dte/io/json.hpp"
 #include "dte/io/model_config.hpp"
 #include "dte/layout/hf.hpp"
-#include "dte/layout/sglang.hpp"
+#include "dte/layout/serving.hpp"
 #include "dte/layout/topology.hpp"
 #include "harness.hpp"
 
@@ -26,7 +26,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       const dte::layout::HfModel hf(m);
       dte::layout::InferTopology t;
       dte::layout::validate(m, t);
-      const dte::layout::SglangLayout recv(hf, t);
+      const dte::layout::ServingLayout recv(hf, t);
       for (std::int64_t k = 0; k < recv.size(); ++k)
         DTE_FUZZ_REQUIRE(recv[k].numel <= dte::limits::tensor_elements);
     }

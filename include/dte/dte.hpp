@@ -21,7 +21,7 @@
 #include "dte/layout/megatron.hpp"
 #include "dte/layout/model.hpp"
 #include "dte/layout/plan.hpp"
-#include "dte/layout/sglang.hpp"
+#include "dte/layout/serving.hpp"
 #include "dte/layout/topology.hpp"
 #include "dte/numeric/round.hpp"
 #include "dte/optim/adam.hpp"

@@ -25,7 +25,7 @@
 #include "dte/io/model_config.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/model.hpp"
-#include "dte/layout/sglang.hpp"
+#include "dte/layout/serving.hpp"
 #include "dte/layout/topology.hpp"
 #include "dte/optim/adam.hpp"
 #include "dte/optim/sgd.hpp"
@@ -84,11 +84,11 @@ nb::dict model_info(const std::string& config) {
   return d;
 }
 
-// The receiver tensors of TP rank ts: names and shapes, in SglangLayout order.
+// The receiver tensors of TP rank ts: names and shapes, in ServingLayout order.
 nb::list shard_info(const std::string& config, std::int64_t tp, std::int64_t ep) {
   const dte::layout::ModelSpec spec = dte::publication::named_by_structure(model_of(config));
   const dte::layout::HfModel hf(spec);
-  const dte::layout::SglangLayout l(hf, {.tp = tp, .ep = ep, .replicas = 1});
+  const dte::layout::ServingLayout l(hf, {.tp = tp, .ep = ep, .replicas = 1});
   nb::list out;
   for (std::int64_t k = 0; k < l.size(); ++k) {
     std::vector<std::int64_t> shape(l[k].shape.begin(), l[k].shape.end());
@@ -372,7 +372,7 @@ std::string check_replica_digests(const std::string& config, std::int64_t tp, st
                                   const std::vector<std::uint32_t>& digest) {
   const dte::layout::ModelSpec spec = dte::publication::named_by_structure(model_of(config));
   const dte::layout::HfModel hf(spec);
-  const dte::layout::SglangLayout l(hf, {.tp = tp, .ep = ep, .replicas = 1});
+  const dte::layout::ServingLayout l(hf, {.tp = tp, .ep = ep, .replicas = 1});
   return dte::publication::check_replica(l, rank_digests, digest);
 }
 

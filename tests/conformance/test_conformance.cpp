@@ -183,7 +183,7 @@ namespace {
 
 template <class Plan>
 void check_plan(const Plan& plan, const dte::layout::HfModel& hf,
-                const dte::layout::SglangLayout& recv) {
+                const dte::layout::ServingLayout& recv) {
   static_assert(dte::transfer_plan<Plan>);
   for (dte::layout::BufferKind b :
        {dte::layout::BufferKind::dense, dte::layout::BufferKind::expert}) {
@@ -221,7 +221,7 @@ TEST_CASE(
   static_assert(dte::layout_mapping<Identity>);
   for (const char* model : {"tiny-qwen3", "tiny-qwen3-moe"}) {
     const HfModel hf(model_preset(model));
-    const SglangLayout recv(hf, parse_infer_topology("tp=2"));
+    const ServingLayout recv(hf, parse_infer_topology("tp=2"));
     const TrainTopology train = parse_train_topology(
         std::string(model) == "tiny-qwen3" ? "tp=2,pp=2,dp=2" : "tp=2,ep=2,dp=2");
     std::vector<int> sent(static_cast<std::size_t>(hf.total()), 0);
@@ -241,7 +241,7 @@ TEST_CASE(
     CHECK(std::count(sent.begin(), sent.end(), 1) == hf.total());
   }
   const HfModel hf(model_preset("tiny-qwen3"));
-  const SglangLayout recv(hf, parse_infer_topology("tp=2"));
+  const ServingLayout recv(hf, parse_infer_topology("tp=2"));
   check_plan(IdentityPlan(hf, TrainTopology{}, recv, 0), hf, recv);
 }
 

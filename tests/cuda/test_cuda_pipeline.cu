@@ -168,7 +168,7 @@ TEST_CASE("device stages == host stages, every mode, every rank") {
     INFO(c.model << " train " << c.train << " infer " << c.infer);
     const dte::layout::HfModel hf(dte::layout::model_preset(c.model));
     const auto train = dte::layout::parse_train_topology(c.train);
-    const dte::layout::SglangLayout recv(hf, dte::layout::parse_infer_topology(c.infer));
+    const dte::layout::ServingLayout recv(hf, dte::layout::parse_infer_topology(c.infer));
     dte::sim::SyntheticTrainer trainer(hf, train, recv, {.seed = 7, .lr = 3e-4});
     const dte::sim::AdamWAccess host_access{&trainer};
     const auto tensors = static_cast<std::size_t>(hf.size());
@@ -200,7 +200,7 @@ TEST_CASE("device stages == host stages, every mode, every rank") {
 TEST_CASE("a refused element is refused on the device too, naming the host's segment") {
   const dte::layout::HfModel hf(dte::layout::model_preset("tiny-qwen3"));
   const auto train = dte::layout::parse_train_topology("tp=2,dp=2");
-  const dte::layout::SglangLayout recv(hf, dte::layout::parse_infer_topology("tp=2"));
+  const dte::layout::ServingLayout recv(hf, dte::layout::parse_infer_topology("tp=2"));
   dte::sim::SyntheticTrainer trainer(hf, train, recv, {.lr = 3e-4});
   trainer.step();
   const std::int64_t rank = 1;
@@ -307,7 +307,7 @@ struct DeviceReceiverTensors {
   std::vector<std::uint16_t*> pointers;
   std::vector<std::uint64_t> live;
 
-  DeviceReceiverTensors(const dte::exec::Cuda& e, const dte::layout::SglangLayout& recv,
+  DeviceReceiverTensors(const dte::exec::Cuda& e, const dte::layout::ServingLayout& recv,
                         std::int64_t rank) {
     const std::int64_t ts = rank % recv.topology().tp;
     for (std::int64_t k = 0; k < recv.size(); ++k) {
@@ -326,7 +326,7 @@ struct DeviceReceiverTensors {
 };
 
 // Elements that differ from the rounded canonical weights, and the digest of the contents.
-std::int64_t mismatches(const dte::layout::HfModel& hf, const dte::layout::SglangLayout& recv,
+std::int64_t mismatches(const dte::layout::HfModel& hf, const dte::layout::ServingLayout& recv,
                         std::int64_t rank, const std::vector<std::vector<std::uint16_t>>& t,
                         const std::vector<float>& canonical, std::vector<dte::Digest>& digest) {
   std::int64_t bad = 0;
@@ -355,7 +355,7 @@ TEST_CASE("device apply: a full publication then deltas leave every receiver den
     INFO(c.model << " train " << c.train << " infer " << c.infer);
     const dte::layout::HfModel hf(dte::layout::model_preset(c.model));
     const auto train = dte::layout::parse_train_topology(c.train);
-    const dte::layout::SglangLayout recv(hf, dte::layout::parse_infer_topology(c.infer));
+    const dte::layout::ServingLayout recv(hf, dte::layout::parse_infer_topology(c.infer));
     dte::sim::SyntheticTrainer trainer(hf, train, recv, {.seed = 3, .lr = 3e-4});
     const auto tensors = static_cast<std::size_t>(hf.size());
     const auto receivers = static_cast<std::size_t>(recv.topology().ranks());
@@ -426,7 +426,7 @@ TEST_CASE("DeltaEngine on exec::Cuda (device state, device receivers) == the hos
   using namespace dte;
   const layout::HfModel hf(layout::model_preset("tiny-qwen3-moe"));
   const auto train = layout::parse_train_topology("tp=2,ep=2,dp=2");
-  const layout::SglangLayout recv(hf, layout::parse_infer_topology("tp=2,replicas=2"));
+  const layout::ServingLayout recv(hf, layout::parse_infer_topology("tp=2,replicas=2"));
   sim::SyntheticTrainer trainer(hf, train, recv, {.seed = 11, .lr = 2e-4});
   const int senders = static_cast<int>(train.world());
   const int receivers = static_cast<int>(recv.topology().ranks());

@@ -143,7 +143,7 @@ void engine_over_nccl() {
   const layout::HfModel model(layout::model_preset("tiny-qwen3"));
   const layout::TrainTopology train =
       layout::parse_train_topology("tp=1,dp=" + std::to_string(w.senders));
-  const layout::SglangLayout receivers(
+  const layout::ServingLayout receivers(
       model, layout::parse_infer_topology("tp=" + std::to_string(w.receivers)));
   sim::SyntheticTrainer trainer(model, train, receivers, {.lr = 1e-4});
   std::mutex checks;

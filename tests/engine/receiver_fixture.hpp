@@ -13,7 +13,7 @@
 #include "dte/engine/wire.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/model.hpp"
-#include "dte/layout/sglang.hpp"
+#include "dte/layout/serving.hpp"
 #include "dte/layout/topology.hpp"
 #include "dte/sim/full_message.hpp"
 
@@ -21,7 +21,7 @@ namespace dte::test {
 
 struct ReceiverFixture {
   layout::HfModel hf;
-  layout::SglangLayout recv;
+  layout::ServingLayout recv;
   std::int64_t senders;
   std::vector<std::vector<std::uint16_t>> storage;  // the inference engine's own tensors
   Receiver rx;
@@ -51,7 +51,7 @@ struct ReceiverFixture {
     return m;
   }
 
-  static std::vector<std::vector<std::uint16_t>> make_storage(const layout::SglangLayout& l) {
+  static std::vector<std::vector<std::uint16_t>> make_storage(const layout::ServingLayout& l) {
     std::vector<std::vector<std::uint16_t>> s;
     for (std::int64_t k = 0; k < l.size(); ++k)
       s.emplace_back(static_cast<std::size_t>(l[k].numel), std::uint16_t{0x7FC1});  // poison

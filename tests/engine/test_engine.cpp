@@ -38,7 +38,7 @@ using Engine = DeltaEngine<AdamWInverse, BF16Detect, MegatronToHF, LoopbackTwoRo
 using Cluster = sim::LoopbackCluster<Engine>;
 
 // Receiver elements that differ from round_bf16 of the trainer's canonical FP32 weights.
-std::int64_t golden_mismatches(const HfModel& hf, const SglangLayout& recv,
+std::int64_t golden_mismatches(const HfModel& hf, const ServingLayout& recv,
                                const sim::SyntheticTrainer& trainer, const Cluster& engine) {
   const std::vector<float> canonical = trainer.canonical_weights();
   std::int64_t bad = 0;
@@ -91,7 +91,7 @@ struct GoldenRun {
 GoldenRun golden_run(const Pair& pair, std::int64_t K, int steps, bool flush) {
   const HfModel hf(model_preset(pair.model));
   const TrainTopology train = parse_train_topology(pair.train);
-  const SglangLayout recv(hf, parse_infer_topology(pair.infer));
+  const ServingLayout recv(hf, parse_infer_topology(pair.infer));
   sim::SyntheticTrainer trainer(hf, train, recv, lively());
   const sim::AdamWAccess access{&trainer};
   Cluster engine(hf, train, recv, {.publish_every = K});
@@ -161,7 +161,7 @@ TEST_CASE("a tied model: each embedding change reaches a receiver once, not twic
   // twice in a publication, and every element whose value changed was written.
   const HfModel hf(model_preset("tiny-qwen3-tied"));
   const TrainTopology train = parse_train_topology("tp=2,pp=2,dp=2");
-  const SglangLayout recv(hf, parse_infer_topology("tp=2,replicas=2"));
+  const ServingLayout recv(hf, parse_infer_topology("tp=2,replicas=2"));
   sim::SyntheticTrainer trainer(hf, train, recv, lively());
   const sim::AdamWAccess access{&trainer};
   Cluster engine(hf, train, recv, {.publish_every = 1});
@@ -243,7 +243,7 @@ TEST_CASE("a trainer whose real layout is not dte's topology is refused before a
     TrainTopology real = parse_train_topology(c.train), assumed = real;
     apply_stack(real, parse_stack(c.trainer_stack));
     apply_stack(assumed, parse_stack(c.dte_stack));
-    const SglangLayout recv(hf, parse_infer_topology("tp=2"));
+    const ServingLayout recv(hf, parse_infer_topology("tp=2"));
     sim::SyntheticTrainer trainer(hf, real, recv, lively());
     const sim::AdamWAccess access{&trainer};
     Cluster engine(hf, assumed, recv, {.publish_every = 1});
@@ -267,7 +267,7 @@ namespace {
 struct Fixture {
   HfModel hf{model_preset("tiny-qwen3-moe")};
   TrainTopology train = parse_train_topology("tp=2,ep=2,dp=2");
-  SglangLayout recv{hf, parse_infer_topology("tp=2,replicas=2")};
+  ServingLayout recv{hf, parse_infer_topology("tp=2,replicas=2")};
   sim::SyntheticTrainer trainer{hf, train, recv, lively()};
   sim::AdamWAccess access{&trainer};
   Cluster engine{hf, train, recv, {.publish_every = 1}};

@@ -249,29 +249,29 @@ namespace {
 // commit, the digest moved by what they overwrite and write.
 class HostSink : public TensorSink {
  public:
-  HostSink(const layout::HfModel& hf, const layout::SglangLayout& recv, std::int64_t rank)
+  HostSink(const layout::HfModel& hf, const layout::ServingLayout& recv, std::int64_t rank)
       : hf_(&hf),
         recv_(&recv),
         ts_(rank % recv.topology().tp),
         tensors(ReceiverFixture::make_storage(recv)),
         digest_(static_cast<std::size_t>(hf.size()), 0) {}
 
-  void commit(const WriteBatch& b) override {
+  void commit(const receive::StagedWrites& w) override {
     ++commits;
-    if (b.full) std::fill(digest_.begin(), digest_.end(), Digest{0});
-    for (std::size_t k = 0; k < b.bits.size(); ++k) {
-      std::uint16_t& cell = tensors[b.tensor[k]][b.index[k]];
-      const layout::Canonical c = recv_->source({ts_, b.tensor[k], b.index[k]});
+    if (w.full()) std::fill(digest_.begin(), digest_.end(), Digest{0});
+    w.for_each([&](std::uint32_t t, std::uint32_t i, std::uint16_t bits) {
+      std::uint16_t& cell = tensors[t][i];
+      const layout::Canonical c = recv_->source({ts_, t, i});
       const std::int64_t g = (*hf_)[c.tensor].base + c.index;
       digest_[static_cast<std::size_t>(c.tensor)] +=
-          element_digest(g, b.bits[k]) - (b.full ? 0 : element_digest(g, cell));
-      cell = b.bits[k];
-    }
+          element_digest(g, bits) - (w.full() ? 0 : element_digest(g, cell));
+      cell = bits;
+    });
   }
   [[nodiscard]] std::vector<Digest> digest() const override { return digest_; }
 
   const layout::HfModel* hf_;
-  const layout::SglangLayout* recv_;
+  const layout::ServingLayout* recv_;
   std::int64_t ts_;
   std::vector<std::vector<std::uint16_t>> tensors;
   std::vector<Digest> digest_;

@@ -24,7 +24,7 @@
 #include "dte/io/optimizer_dump.hpp"
 #include "dte/io/safetensors.hpp"
 #include "dte/layout/hf.hpp"
-#include "dte/layout/sglang.hpp"
+#include "dte/layout/serving.hpp"
 #include "dte/layout/topology.hpp"
 
 using doctest::Contains;
@@ -231,10 +231,10 @@ TEST_CASE("a receiver tensor too large for 32-bit indices is refused when the la
   m.vocab = (1 << 20) - 1;
   const layout::HfModel hf(m);
   // SGLang pads the vocabulary to 64 rows: (2^20 - 1 -> 2^20) * 4096 on one rank is 2^32.
-  CHECK_THROWS_WITH_AS(layout::SglangLayout(hf, layout::parse_infer_topology("tp=1")),
+  CHECK_THROWS_WITH_AS(layout::ServingLayout(hf, layout::parse_infer_topology("tp=1")),
                        Contains("receiver tensor model.embed_tokens.weight has 4294967296"),
                        bounds_error);
-  CHECK_NOTHROW(layout::SglangLayout(hf, layout::parse_infer_topology("tp=2")));
+  CHECK_NOTHROW(layout::ServingLayout(hf, layout::parse_infer_topology("tp=2")));
 }
 
 namespace {

@@ -12,7 +12,7 @@
 
 #include "dte/layout/megatron.hpp"
 #include "dte/layout/plan.hpp"
-#include "dte/layout/sglang.hpp"
+#include "dte/layout/serving.hpp"
 #include "dte/layout/topology.hpp"
 #include "dte/pipeline/runs.hpp"
 
@@ -46,7 +46,7 @@ inline bool valid(const ModelSpec& m, const TrainTopology& t, const InferTopolog
 // The pipeline's affine runs (what the engine detects, routes and applies with) agree with the
 // plan element by element: canonical index and every receiver index advance by one per element.
 template <class Fail>
-void check_runs(const HfModel& hf, const TransferPlan& plan, const SglangLayout& recv,
+void check_runs(const HfModel& hf, const TransferPlan& plan, const ServingLayout& recv,
                 Fail&& fail) {
   const dte::pipeline::RunTable runs(plan, hf, recv);
   std::vector<RouteTarget> want;
@@ -83,7 +83,7 @@ void check_runs(const HfModel& hf, const TransferPlan& plan, const SglangLayout&
 
 inline bool check_combo(const ModelSpec& m, const TrainTopology& t, const InferTopology& inf) {
   const HfModel hf(m);
-  const SglangLayout recv(hf, inf);
+  const ServingLayout recv(hf, inf);
   std::vector<std::uint8_t> sent(static_cast<std::size_t>(hf.total()), 0);
   // Per receiver rank, per tensor: how often each element was written.
   std::vector<std::vector<std::vector<std::uint8_t>>> written(

@@ -17,7 +17,7 @@
 
 #include "dte/io/safetensors.hpp"
 #include "dte/layout/plan.hpp"
-#include "dte/layout/sglang.hpp"
+#include "dte/layout/serving.hpp"
 
 using namespace dte::layout;
 using dte::io::SafetensorsFile;
@@ -53,7 +53,7 @@ TEST_CASE("transfer plans reproduce the tensor-level reference bit for bit") {
   validate(m, inf);
   CHECK(std::stoll(mm.at("Vp")) == t.padded_vocab(m.vocab));
   const HfModel hf(m);
-  const SglangLayout recv(hf, inf);
+  const ServingLayout recv(hf, inf);
 
   // Receiver tensors as dte fills them, NaN-poisoned so unwritten elements show.
   std::vector<std::vector<std::vector<float>>> out(static_cast<std::size_t>(inf.ranks()));

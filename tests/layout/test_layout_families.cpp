@@ -16,7 +16,7 @@
 #include "dte/io/model_config.hpp"
 #include "dte/layout/megatron.hpp"
 #include "dte/layout/plan.hpp"
-#include "dte/layout/sglang.hpp"
+#include "dte/layout/serving.hpp"
 #include "dte/layout/topology.hpp"
 #include "grid.hpp"
 
@@ -77,7 +77,7 @@ TEST_CASE(
   for (std::int64_t t = 0; t < hf.size(); ++t)
     CHECK(hf.name(t) != "lm_head.weight");
   CHECK(hf.total() == HfModel(model_preset("tiny-qwen3")).total() - m.vocab * m.hidden);
-  const SglangLayout recv(hf, parse_infer_topology("tp=2"));
+  const ServingLayout recv(hf, parse_infer_topology("tp=2"));
   for (std::int64_t t = 0; t < recv.size(); ++t)
     CHECK(recv[t].kind != ReceiverKind::lm_head);
 
@@ -199,7 +199,7 @@ TEST_CASE("q/k/v biases: every bias row goes where its weight row goes, on both 
   for (const char* infer : {"tp=1", "tp=2", "tp=4", "tp=8"}) {
     const InferTopology it = parse_infer_topology(infer);
     validate(m, it);
-    const SglangLayout recv(hf, it);
+    const ServingLayout recv(hf, it);
     for (std::int64_t L = 0; L < m.layers; ++L) {
       const std::int64_t wid = recv.id(ReceiverKind::qkv, L);
       const std::int64_t bid = recv.id(ReceiverKind::qkv_bias, L);

@@ -14,7 +14,7 @@
 
 #include "dte/layout/megatron.hpp"
 #include "dte/layout/plan.hpp"
-#include "dte/layout/sglang.hpp"
+#include "dte/layout/serving.hpp"
 #include "dte/layout/topology.hpp"
 #include "grid.hpp"
 

@@ -22,7 +22,7 @@ void check_real(const char* model, const char* train_spec, const char* infer_spe
   validate(m, t);
   validate(m, inf);
   const HfModel hf(m);
-  const SglangLayout recv(hf, inf);
+  const ServingLayout recv(hf, inf);
   std::vector<TransferPlan> plans;
   double worst_seconds = 0.0, worst_fraction = 0.0;
   for (std::int64_t g = 0; g < t.world(); ++g) {

@@ -9,7 +9,7 @@
 
 #include "dte/layout/megatron.hpp"
 #include "dte/layout/plan.hpp"
-#include "dte/layout/sglang.hpp"
+#include "dte/layout/serving.hpp"
 #include "dte/layout/topology.hpp"
 
 using namespace dte::layout;
@@ -19,7 +19,7 @@ TEST_CASE("Qwen3-8B, Megatron TP=4 -> SGLang TP=2 (LAYOUTS.md §9)") {
   const HfModel hf(model_preset("qwen3-8b"));
   const TrainTopology t = parse_train_topology("tp=4");
   const InferTopology inf = parse_infer_topology("tp=2");
-  const SglangLayout recv(hf, inf);
+  const ServingLayout recv(hf, inf);
   const std::int64_t H = 4096, d = 128;
   // Megatron rank 1's linear_qkv [1536, 4096] holds groups 2 and 3: q heads 8-15, k/v heads 2-3.
   const MegatronToHF rank1(hf, t, train_rank(t, 1));
@@ -62,7 +62,7 @@ TEST_CASE("Qwen3-30B-A3B, Megatron TP=4 ETP=1 EP=8 -> SGLang TP=8 EP=8 (LAYOUTS.
   const InferTopology inf = parse_infer_topology("tp=8,ep=8");
   validate(hf.spec(), t);
   validate(hf.spec(), inf);
-  const SglangLayout recv(hf, inf);
+  const ServingLayout recv(hf, inf);
   const std::int64_t H = 2048;
   // SGLang rank t takes k/v head t//2 (KV replicated twice) drawn from Megatron TP rank t//2.
   const std::int64_t qkv_id = recv.id(ReceiverKind::qkv, 5);

@@ -3,7 +3,7 @@
 // the work items cover every shard element exactly once without crossing a run, carry the
 // kernel index and canonical base the detect kernel uses, and the binary search the route
 // kernel runs finds every offset's item; a receiver's source table maps every live element to
-// the canonical element SglangLayout::source names and nothing else (padding finds no run).
+// the canonical element ServingLayout::source names and nothing else (padding finds no run).
 #include <doctest/doctest.h>
 
 #include <cstdint>
@@ -12,7 +12,7 @@
 #include "dte/layout/hf.hpp"
 #include "dte/layout/model.hpp"
 #include "dte/layout/plan.hpp"
-#include "dte/layout/sglang.hpp"
+#include "dte/layout/serving.hpp"
 #include "dte/layout/topology.hpp"
 #include "dte/pipeline/device_tables.hpp"
 #include "dte/pipeline/runs.hpp"
@@ -37,7 +37,7 @@ TEST_CASE("work items cover each shard exactly once, inside one run, with resolv
     INFO(c.model << " " << c.train);
     const layout::HfModel hf(layout::model_preset(c.model));
     const auto train = layout::parse_train_topology(c.train);
-    const layout::SglangLayout recv(hf, layout::parse_infer_topology(c.infer));
+    const layout::ServingLayout recv(hf, layout::parse_infer_topology(c.infer));
     for (std::int64_t rank = 0; rank < train.world(); ++rank) {
       const layout::TransferPlan plan(hf, train, recv, rank);
       const pipeline::RunTable table(plan, hf, recv);
@@ -122,11 +122,11 @@ TEST_CASE("a zero item length is refused") {
   CHECK_THROWS_AS(pipeline::WorkTable({}, {}, 0), invalid_argument);
 }
 
-TEST_CASE("receiver source table == SglangLayout::source for every element of every receiver") {
+TEST_CASE("receiver source table == ServingLayout::source for every element of every receiver") {
   for (const Case& c : kCases) {
     INFO(c.model << " " << c.infer);
     const layout::HfModel hf(layout::model_preset(c.model));
-    const layout::SglangLayout recv(hf, layout::parse_infer_topology(c.infer));
+    const layout::ServingLayout recv(hf, layout::parse_infer_topology(c.infer));
     const std::int64_t tp = recv.topology().tp;
     for (std::int64_t rank = 0; rank < recv.topology().ranks(); ++rank) {
       INFO("receiver " << rank);

@@ -299,7 +299,7 @@ namespace {
 
 template <class Plan>
 void check_runs(const Plan& plan, const dte::layout::HfModel& hf,
-                const dte::layout::SglangLayout& recv) {
+                const dte::layout::ServingLayout& recv) {
   const dte::pipeline::RunTable table(plan, hf, recv);
   for (dte::layout::BufferKind b :
        {dte::layout::BufferKind::dense, dte::layout::BufferKind::expert}) {
@@ -355,12 +355,12 @@ TEST_CASE("runs: every shard offset maps as the transfer plan says (canonical an
     CAPTURE(pair.train);
     const HfModel hf(model_preset(pair.model));
     const TrainTopology train = parse_train_topology(pair.train);
-    const SglangLayout recv(hf, parse_infer_topology(pair.infer));
+    const ServingLayout recv(hf, parse_infer_topology(pair.infer));
     for (std::int64_t rank = 0; rank < train.world(); ++rank)
       check_runs(TransferPlan(hf, train, recv, rank), hf, recv);
   }
   const HfModel hf(model_preset("tiny-qwen3"));
-  const SglangLayout recv(hf, parse_infer_topology("tp=2"));
+  const ServingLayout recv(hf, parse_infer_topology("tp=2"));
   check_runs(IdentityPlan(hf, TrainTopology{}, recv, 0), hf, recv);
 }
 
@@ -368,7 +368,7 @@ TEST_CASE("compact and route: the flagged elements, every copy") {
   using namespace dte::layout;
   const HfModel hf(model_preset("tiny-qwen3"));
   const TrainTopology train = parse_train_topology("tp=2,dp=2");
-  const SglangLayout recv(hf, parse_infer_topology("tp=4,replicas=2"));
+  const ServingLayout recv(hf, parse_infer_topology("tp=4,replicas=2"));
   const TransferPlan plan(hf, train, recv, 1);
   const dte::pipeline::RunTable table(plan, hf, recv);
   const auto runs = table.runs(BufferKind::dense);

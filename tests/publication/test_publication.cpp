@@ -110,7 +110,7 @@ struct HfTensors {
 struct ShardTensors {
   std::vector<std::vector<std::uint16_t>> data;
   ReceiverTensors views;
-  ShardTensors(const layout::SglangLayout& l) {
+  ShardTensors(const layout::ServingLayout& l) {
     for (std::int64_t k = 0; k < l.size(); ++k)
       data.emplace_back(static_cast<std::size_t>(l[k].numel), 0);
     for (auto& d : data)
@@ -161,7 +161,7 @@ TEST_CASE("publication: HF receivers and SGLang TP ranks stay bit-identical, K =
       std::vector<std::unique_ptr<publication::ShardReceiver>> shards;
       for (std::int64_t tp : {2, 4}) {
         const layout::InferTopology topo{.tp = tp};
-        const layout::SglangLayout l(pub.model(), topo);
+        const layout::ServingLayout l(pub.model(), topo);
         for (std::int64_t ts = 0; ts < tp; ++ts) {
           shard_tensors.push_back(std::make_unique<ShardTensors>(l));
           shards.push_back(std::make_unique<publication::ShardReceiver>(
@@ -259,7 +259,7 @@ TEST_CASE_FIXTURE(Single, "publication: refusals leave the receiver untouched") 
 
   SUBCASE("a shard receiver refuses the same way") {
     const layout::InferTopology topo{.tp = 2};
-    const layout::SglangLayout l(pub.model(), topo);
+    const layout::ServingLayout l(pub.model(), topo);
     ShardTensors st(l);
     publication::ShardReceiver s(spec, topo, 1, st.views);
     const auto before = st.data;

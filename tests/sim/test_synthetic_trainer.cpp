@@ -16,7 +16,7 @@
 #include "dte/audit.hpp"
 #include "dte/detect/detect.hpp"
 #include "dte/layout/plan.hpp"
-#include "dte/layout/sglang.hpp"
+#include "dte/layout/serving.hpp"
 #include "dte/numeric/round.hpp"
 #include "dte/optim/adam.hpp"
 #include "dte/sim/synthetic_trainer.hpp"
@@ -32,7 +32,7 @@ constexpr BufferKind kinds[] = {BufferKind::dense, BufferKind::expert};
 // A model with its receivers, kept alive for the trainers that refer to them.
 struct Fixture {
   HfModel hf;
-  SglangLayout recv;
+  ServingLayout recv;
   explicit Fixture(const char* model)
       : hf(model_preset(model)), recv(hf, parse_infer_topology("tp=1")) {}
   SyntheticTrainer trainer(const char* train, SyntheticConfig cfg = {}) const {

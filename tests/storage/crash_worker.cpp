@@ -25,7 +25,7 @@ int main(int argc, char** argv) {
   try {
     const layout::HfModel hf(layout::model_preset("small-qwen3"));
     const auto train = layout::parse_train_topology("tp=2");
-    const layout::SglangLayout recv(hf, layout::parse_infer_topology("tp=2"));
+    const layout::ServingLayout recv(hf, layout::parse_infer_topology("tp=2"));
     if (mode == "write") {
       sim::SyntheticTrainer trainer(hf, train, recv, {.lr = 3e-6, .warmup_steps = 0});
       const sim::AdamWAccess access{&trainer};

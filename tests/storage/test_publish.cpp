@@ -52,7 +52,7 @@ struct Dir {
 struct Setup {
   layout::HfModel hf;
   layout::TrainTopology train;
-  layout::SglangLayout recv;
+  layout::ServingLayout recv;
   sim::SyntheticTrainer trainer;
   sim::AdamWAccess access{&trainer};
   Dir dir;

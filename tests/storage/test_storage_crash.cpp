@@ -44,7 +44,7 @@ namespace {
 struct World {
   layout::HfModel hf{layout::model_preset("small-qwen3")};
   layout::TrainTopology train = layout::parse_train_topology("tp=2");
-  layout::SglangLayout recv{hf, layout::parse_infer_topology("tp=2")};
+  layout::ServingLayout recv{hf, layout::parse_infer_topology("tp=2")};
 
   // The weights the crash worker's trainer has after `steps` steps.
   std::vector<float> weights(std::int64_t steps) const {

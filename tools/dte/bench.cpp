@@ -61,7 +61,7 @@ struct StageFigures {
 };
 
 StageFigures measure(const BenchOptions& o, const HostExecutor& exec, const layout::HfModel& hf,
-                     const layout::SglangLayout& recv, Sender& sender, double fraction,
+                     const layout::ServingLayout& recv, Sender& sender, double fraction,
                      std::vector<Receiver>& receivers, Version& version) {
   using layout::BufferKind;
   const layout::TransferPlan& plan = sender.plan();
@@ -147,7 +147,7 @@ int run_pipeline(const BenchOptions& o) {
   layout::validate(spec, train);
   layout::validate(spec, infer);
   const layout::HfModel hf(spec);
-  const layout::SglangLayout recv(hf, infer);
+  const layout::ServingLayout recv(hf, infer);
   if (o.rank < 0 || o.rank >= train.world()) {
     throw invalid_argument("--rank " + std::to_string(o.rank) + " is not a rank of --train " +
                            o.train);

@@ -105,7 +105,7 @@ struct Setup {
   layout::TrainTopology train;
   layout::InferTopology infer;
   std::unique_ptr<layout::HfModel> hf;
-  std::unique_ptr<layout::SglangLayout> recv;
+  std::unique_ptr<layout::ServingLayout> recv;
   HostExecutor exec;
   CompareOptions o;
   fs::path root;
@@ -133,7 +133,7 @@ struct Tensors {
     return v;
   }
   // Receiver rank d = replica * tp + ts, as the layout numbers them.
-  void put(const layout::SglangLayout& recv, std::int64_t tensor, std::int64_t index,
+  void put(const layout::ServingLayout& recv, std::int64_t tensor, std::int64_t index,
            std::uint16_t bits) {
     const std::size_t tp = static_cast<std::size_t>(recv.topology().tp);
     recv.targets(layout::Canonical{tensor, index}, [&](const layout::ReceiverElement& e) {
@@ -752,7 +752,7 @@ int run_compare(CompareOptions o) {
   layout::validate(s.spec, s.train);
   layout::validate(s.spec, s.infer);
   s.hf = std::make_unique<layout::HfModel>(s.spec);
-  s.recv = std::make_unique<layout::SglangLayout>(*s.hf, s.infer);
+  s.recv = std::make_unique<layout::ServingLayout>(*s.hf, s.infer);
   const bool temporary = o.dir.empty();
   s.root = temporary
                ? fs::temp_directory_path() / ("dte-bench-compare-" + std::to_string(::getpid()))

@@ -24,7 +24,7 @@ using namespace dte::layout;
 
 constexpr std::int64_t kDumpLimit = 50'000'000;  // canonical elements
 
-void dump_map(const std::string& path, const HfModel& hf, const SglangLayout& recv,
+void dump_map(const std::string& path, const HfModel& hf, const ServingLayout& recv,
               const std::vector<TransferPlan>& plans, bool to_hf) {
   if (hf.total() > kDumpLimit) {
     throw invalid_argument("--dump-map writes one line per route; the model has " +
@@ -102,7 +102,7 @@ void register_plan(CLI::App& app, int& status) {
     validate(m, train);
     validate(m, infer);
     const HfModel hf(m);
-    const SglangLayout recv(hf, infer);
+    const ServingLayout recv(hf, infer);
     if (!o->layout_out.empty()) {
       std::ofstream out(o->layout_out);
       out << io::write_buffer_layout(hf, train).dump(1) << '\n';

@@ -40,7 +40,7 @@ struct Simulation {
   layout::TrainTopology train;
   layout::InferTopology infer;
   layout::HfModel hf;
-  layout::SglangLayout recv;
+  layout::ServingLayout recv;
   sim::SyntheticTrainer trainer;
   sim::AdamWAccess access{&trainer};
 
@@ -86,7 +86,7 @@ inline std::string human_bytes(double b) {
 }
 
 // One receiver's tensors as DIR/receiver-<rank>.safetensors (BF16, SGLang names).
-inline void dump_receiver(const std::filesystem::path& dir, const layout::SglangLayout& recv,
+inline void dump_receiver(const std::filesystem::path& dir, const layout::ServingLayout& recv,
                           const Receiver& r) {
   std::filesystem::create_directories(dir);
   io::SafetensorsWriter w;

@@ -21,7 +21,7 @@
 #include "dte/io/safetensors.hpp"
 #include "dte/io/verify_start.hpp"
 #include "dte/layout/hf.hpp"
-#include "dte/layout/sglang.hpp"
+#include "dte/layout/serving.hpp"
 #include "dte/numeric/round.hpp"
 #include "dte/sim/synthetic_trainer.hpp"
 #include "layout_settings.hpp"
@@ -92,7 +92,7 @@ void register_verify_start(CLI::App& app, int& status) {
     } else {
       const layout::TrainTopology t = train_topology(o->train, o->stack);
       layout::validate(m, t);
-      const layout::SglangLayout recv(hf, layout::InferTopology{});
+      const layout::ServingLayout recv(hf, layout::InferTopology{});
       sim::SyntheticConfig cfg;
       cfg.seed = o->seed;
       const sim::SyntheticTrainer trainer(hf, t, recv, cfg);

@@ -19,7 +19,7 @@
 #include "dte/engine/receiver.hpp"
 #include "dte/exec/cuda.cuh"
 #include "dte/layout/hf.hpp"
-#include "dte/layout/sglang.hpp"
+#include "dte/layout/serving.hpp"
 #include "dte/pipeline/device.cuh"
 #include "dte/pipeline/device_tables.hpp"
 
@@ -28,15 +28,15 @@ namespace dte {
 class DeviceTensors : public TensorSink {
  public:
   // tensors[k]: receiver tensor k of `layout` on receiver rank `rank` (layout[k].numel 16-bit
-  // elements of device memory, in SglangLayout order).
-  DeviceTensors(const layout::HfModel& hf, const layout::SglangLayout& layout, std::int64_t rank,
+  // elements of device memory, in ServingLayout order).
+  DeviceTensors(const layout::HfModel& hf, const layout::ServingLayout& layout, std::int64_t rank,
                 std::vector<std::uint16_t*> tensors, exec::Cuda e = {})
       : exec_(e) {
     if (static_cast<std::int64_t>(tensors.size()) != layout.size()) {
       throw invalid_argument(
           "DeviceTensors: given " + std::to_string(tensors.size()) + " tensors, the layout has " +
           std::to_string(layout.size()) +
-          "; pass one device pointer per receiver tensor, in SglangLayout order");
+          "; pass one device pointer per receiver tensor, in ServingLayout order");
     }
     std::vector<std::uint64_t> live;
     const std::int64_t ts = rank % layout.topology().tp;
@@ -53,15 +53,26 @@ class DeviceTensors : public TensorSink {
     exec_.synchronize();
   }
 
-  void commit(const WriteBatch& b) override {
-    if (b.full && rx_.digest.size() != 0) {
+  void commit(const receive::StagedWrites& w) override {
+    if (w.full() && rx_.digest.size() != 0) {
       DTE_CUDA_TRY(cudaMemsetAsync(rx_.digest.data(), 0, rx_.digest.bytes(), exec_.stream()));
     }
-    const auto tensor = exec::DeviceArray<std::uint32_t>::copy_of(exec_, b.tensor);
-    const auto index = exec::DeviceArray<std::uint32_t>::copy_of(exec_, b.index);
-    const auto bits = exec::DeviceArray<std::uint16_t>::copy_of(exec_, b.bits);
-    pipeline::device::apply_entries(exec_, rx_, tensor.data(), index.data(), bits.data(),
-                                    b.bits.size(), b.full);
+    // (tensor, index, bits) per write
+    std::vector<std::uint32_t> tensors, indices;
+    std::vector<std::uint16_t> values;
+    tensors.reserve(w.size());
+    indices.reserve(w.size());
+    values.reserve(w.size());
+    w.for_each([&](std::uint32_t t, std::uint32_t i, std::uint16_t b) {
+      tensors.push_back(t);
+      indices.push_back(i);
+      values.push_back(b);
+    });
+    const auto tensor = exec::DeviceArray<std::uint32_t>::copy_of(exec_, tensors);
+    const auto index = exec::DeviceArray<std::uint32_t>::copy_of(exec_, indices);
+    const auto bits = exec::DeviceArray<std::uint16_t>::copy_of(exec_, values);
+    pipeline::device::apply_entries(exec_, rx_, tensor.data(), index.data(), bits.data(), w.size(),
+                                    w.full());
     exec_.synchronize();  // the tensors hold the version once commit returns
   }
 

@@ -37,7 +37,7 @@ class DeviceSenderRank {
   static constexpr std::size_t min_run = 32;
 
   DeviceSenderRank(const layout::HfModel& hf, const layout::TrainTopology& train,
-                   const layout::SglangLayout& receivers, std::int64_t rank, bool keep_mask,
+                   const layout::ServingLayout& receivers, std::int64_t rank, bool keep_mask,
                    exec::Cuda e)
       : hf_(&hf), pipeline_(hf, train, receivers, rank, keep_mask, e) {
     outbox_ = wire::Outbox(static_cast<std::size_t>(receivers.topology().ranks()));

@@ -40,7 +40,7 @@
 #include "dte/layout/hf.hpp"
 #include "dte/layout/megatron.hpp"
 #include "dte/layout/plan.hpp"
-#include "dte/layout/sglang.hpp"
+#include "dte/layout/serving.hpp"
 #include "dte/transport/loopback.hpp"
 
 namespace dte {
@@ -81,9 +81,9 @@ class DeltaEngine
       typename detail::sender_rank<Inverse, Detect, typename Layout::plan_type, Exec>::type;
 
   // A trainer rank (transport.is_sender()) or a receiver rank, which passes views of its own
-  // tensors (ReceiverTensors, in SglangLayout order for its TP rank).
+  // tensors (ReceiverTensors, in ServingLayout order for its TP rank).
   DeltaEngine(const layout::HfModel& hf, const layout::TrainTopology& train,
-              const layout::SglangLayout& receivers, EngineConfig config, Transport& transport,
+              const layout::ServingLayout& receivers, EngineConfig config, Transport& transport,
               ReceiverTensors tensors = {}, Exec exec = {})
       : DeltaEngine(common{}, hf, train, receivers, config, transport, exec) {
     if (!transport.is_sender()) {
@@ -95,7 +95,7 @@ class DeltaEngine
   // A receiver rank whose tensors are device memory passes their sink
   // (engine/device_receiver.cuh: DeviceTensors); a trainer rank passes nullptr.
   DeltaEngine(const layout::HfModel& hf, const layout::TrainTopology& train,
-              const layout::SglangLayout& receivers, EngineConfig config, Transport& transport,
+              const layout::ServingLayout& receivers, EngineConfig config, Transport& transport,
               std::shared_ptr<TensorSink> device_tensors, Exec exec = {})
       : DeltaEngine(common{}, hf, train, receivers, config, transport, exec) {
     if (!transport.is_sender()) {
@@ -136,7 +136,7 @@ class DeltaEngine
   // What both public constructors share: the world check, the sender, the dense-sync size.
   struct common {};
   DeltaEngine(common, const layout::HfModel& hf, const layout::TrainTopology& train,
-              const layout::SglangLayout& receivers, EngineConfig config, Transport& transport,
+              const layout::ServingLayout& receivers, EngineConfig config, Transport& transport,
               Exec exec)
       : Schedule(config), hf_(&hf), recv_layout_(&receivers), transport_(&transport) {
     if (transport.senders() != train.world() ||
@@ -369,7 +369,7 @@ class DeltaEngine
   }
 
   const layout::HfModel* hf_;
-  const layout::SglangLayout* recv_layout_;
+  const layout::ServingLayout* recv_layout_;
   Transport* transport_;
   std::optional<Sender> sender_;
   std::optional<Receiver> receiver_;

@@ -30,7 +30,7 @@
 #include "dte/engine/wire.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/plan.hpp"
-#include "dte/layout/sglang.hpp"
+#include "dte/layout/serving.hpp"
 #include "dte/layout/shape_check.hpp"
 #include "dte/pipeline/compact.hpp"
 #include "dte/pipeline/detect.hpp"
@@ -106,7 +106,7 @@ class SenderRank {
   static constexpr std::int64_t tile = std::int64_t{1} << 16;
 
   SenderRank(const layout::HfModel& hf, const layout::TrainTopology& train,
-             const layout::SglangLayout& receivers, std::int64_t rank, bool keep_mask, Exec exec)
+             const layout::ServingLayout& receivers, std::int64_t rank, bool keep_mask, Exec exec)
       : hf_(&hf),
         recv_(&receivers),
         rank_(rank),
@@ -604,7 +604,7 @@ class SenderRank {
   }
 
   const layout::HfModel* hf_;
-  const layout::SglangLayout* recv_;
+  const layout::ServingLayout* recv_;
   std::int64_t rank_;
   layout::TrainTopology train_;
   bool parameters_checked_ = false;

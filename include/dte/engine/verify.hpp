@@ -9,7 +9,7 @@
 
 #include "dte/engine/digest.hpp"
 #include "dte/layout/hf.hpp"
-#include "dte/layout/sglang.hpp"
+#include "dte/layout/serving.hpp"
 
 namespace dte::detail {
 
@@ -19,7 +19,7 @@ namespace dte::detail {
 // (Digests are sums mod 2^32; the world sums them in 64-bit words, so both sides are compared
 // modulo 2^32.)
 inline std::vector<bool> mismatched_tensors(const layout::HfModel& hf,
-                                            const layout::SglangLayout& receivers,
+                                            const layout::ServingLayout& receivers,
                                             const std::vector<Digest>& trainer,
                                             const std::uint64_t* replica_sums) {
   const std::size_t tensors = trainer.size();

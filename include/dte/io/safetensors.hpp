@@ -270,6 +270,9 @@ class SafetensorsFile {
     return file;
   }
 
+  // The file's bytes back (the file is empty afterwards): for a caller that reuses the buffer.
+  [[nodiscard]] std::vector<std::byte> release() && noexcept { return std::move(bytes_); }
+
   // Every tensor, sorted by begin offset.
   [[nodiscard]] const std::vector<TensorInfo>& tensors() const noexcept { return tensors_; }
 

@@ -11,7 +11,7 @@
 
 #include "dte/layout/hf.hpp"
 #include "dte/layout/plan.hpp"
-#include "dte/layout/sglang.hpp"
+#include "dte/layout/serving.hpp"
 
 namespace dte::layout {
 
@@ -40,7 +40,7 @@ struct ReceiverRun {
 
 // receivers = false checks the trainer side only: the plain unsharded HF layout (storage) is the
 // canonical space itself.
-inline CoverageReport check_coverage(const HfModel& hf, const SglangLayout& recv,
+inline CoverageReport check_coverage(const HfModel& hf, const ServingLayout& recv,
                                      const std::vector<TransferPlan>& plans,
                                      bool receivers = true) {
   CoverageReport rep;

@@ -15,7 +15,7 @@
 #include "dte/error.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/plan.hpp"
-#include "dte/layout/sglang.hpp"
+#include "dte/layout/serving.hpp"
 #include "dte/layout/topology.hpp"
 
 namespace dte::layout {
@@ -55,7 +55,7 @@ class IdentityPlan {
   using param_type = HfParam;
 
   // The trainer topology must be a single rank: an Identity trainer is not sharded.
-  IdentityPlan(const HfModel& hf, const TrainTopology& t, const SglangLayout& receivers,
+  IdentityPlan(const HfModel& hf, const TrainTopology& t, const ServingLayout& receivers,
                std::int64_t rank)
       : receivers_(&receivers) {
     if (t.world() != 1 || rank != 0) {
@@ -92,7 +92,7 @@ class IdentityPlan {
   }
 
  private:
-  const SglangLayout* receivers_;
+  const ServingLayout* receivers_;
   Identity map_;
   std::vector<HfParam> params_;
   std::vector<PlanSegment> segments_[2];

@@ -13,7 +13,7 @@
 #include "dte/layout/hf.hpp"
 #include "dte/layout/megatron.hpp"
 #include "dte/layout/segment.hpp"
-#include "dte/layout/sglang.hpp"
+#include "dte/layout/serving.hpp"
 #include "dte/layout/topology.hpp"
 
 namespace dte::layout {
@@ -50,7 +50,7 @@ inline RankBuffers megatron_rank_buffers(const std::vector<MegatronParam>& param
 }
 
 // Where one trainer element goes: receiver rank (replica * inference TP + TP rank), receiver
-// tensor id (SglangLayout), flat index in the receiver-local tensor.
+// tensor id (ServingLayout), flat index in the receiver-local tensor.
 struct RouteTarget {
   std::int64_t rank;
   std::int64_t tensor;
@@ -70,7 +70,7 @@ inline const PlanSegment* find_segment(const std::vector<PlanSegment>& segs,
 
 // emit(RouteTarget) for every receiver element, in every replica, holding canonical element c.
 template <class Emit>
-void route_canonical(const SglangLayout& receivers, Canonical c, Emit&& emit) {
+void route_canonical(const ServingLayout& receivers, Canonical c, Emit&& emit) {
   if (c.tensor < 0) return;
   const InferTopology& it = receivers.topology();
   receivers.targets(c, [&](const ReceiverElement& e) {
@@ -83,12 +83,12 @@ void route_canonical(const SglangLayout& receivers, Canonical c, Emit&& emit) {
 class TransferPlan {
  public:
   // The plan for Megatron's own buffer layout (computed from the topology).
-  TransferPlan(const HfModel& hf, const TrainTopology& t, const SglangLayout& receivers,
+  TransferPlan(const HfModel& hf, const TrainTopology& t, const ServingLayout& receivers,
                std::int64_t global_rank)
       : TransferPlan(hf, t, receivers, global_rank, nullptr) {}
 
   // The plan for a buffer layout the trainer dumped (dte/io/buffer_layout.hpp reads it).
-  TransferPlan(const HfModel& hf, const TrainTopology& t, const SglangLayout& receivers,
+  TransferPlan(const HfModel& hf, const TrainTopology& t, const ServingLayout& receivers,
                std::int64_t global_rank, const RankBuffers& dumped)
       : TransferPlan(hf, t, receivers, global_rank, &dumped) {}
 
@@ -132,7 +132,7 @@ class TransferPlan {
   }
 
  private:
-  TransferPlan(const HfModel& hf, const TrainTopology& t, const SglangLayout& receivers,
+  TransferPlan(const HfModel& hf, const TrainTopology& t, const ServingLayout& receivers,
                std::int64_t global_rank, const RankBuffers* dumped)
       : receivers_(&receivers),
         map_(hf, t, train_rank(t, global_rank)),
@@ -162,7 +162,7 @@ class TransferPlan {
     }
   }
 
-  const SglangLayout* receivers_;
+  const ServingLayout* receivers_;
   MegatronToHF map_;
   std::vector<MegatronParam> params_;
   std::vector<PlanSegment> segments_[2];

@@ -47,7 +47,7 @@
 #include "dte/exec/cuda.cuh"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/plan.hpp"
-#include "dte/layout/sglang.hpp"
+#include "dte/layout/serving.hpp"
 #include "dte/pipeline/detect.hpp"
 #include "dte/pipeline/device_tables.hpp"
 #include "dte/pipeline/runs.hpp"
@@ -582,7 +582,7 @@ class SenderPipeline {
   using kernel = typename Inverse::kernel;
 
   SenderPipeline(const layout::HfModel& hf, const layout::TrainTopology& train,
-                 const layout::SglangLayout& receivers, std::int64_t rank, bool keep_mask,
+                 const layout::ServingLayout& receivers, std::int64_t rank, bool keep_mask,
                  exec::Cuda e)
       : hf_(&hf),
         rank_(rank),

@@ -10,7 +10,7 @@
 //     through it its run and receiver targets) by binary search.
 //   - ReceiverSourceTable: one receiver rank's tensors as affine runs onto canonical elements,
 //     so the device apply updates the digest with the element's canonical index (what
-//     SglangLayout::source computes per element on the host).
+//     ServingLayout::source computes per element on the host).
 #pragma once
 
 #include <algorithm>
@@ -24,7 +24,7 @@
 #include "dte/error.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/plan.hpp"
-#include "dte/layout/sglang.hpp"
+#include "dte/layout/serving.hpp"
 #include "dte/pipeline/runs.hpp"
 
 namespace dte::pipeline {
@@ -126,7 +126,7 @@ class ReceiverSourceTable {
   ReceiverSourceTable() = default;
 
   // The runs of receiver rank `rank` (replica * tp + TP rank), sorted by (tensor, index).
-  ReceiverSourceTable(const layout::HfModel& hf, const layout::SglangLayout& receivers,
+  ReceiverSourceTable(const layout::HfModel& hf, const layout::ServingLayout& receivers,
                       std::int64_t rank) {
     for (std::int64_t t = 0; t < hf.size(); ++t) {
       const std::int64_t numel = hf[t].numel();

@@ -14,7 +14,7 @@
 #include "dte/error.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/plan.hpp"
-#include "dte/layout/sglang.hpp"
+#include "dte/layout/serving.hpp"
 
 namespace dte::pipeline {
 
@@ -45,7 +45,7 @@ class RunTable {
   // plan: a TransferPlan or IdentityPlan (segments, params, mapping). Receiver indices must fit
   // 32 bits (they do for every receiver tensor of the supported models: checked here).
   template <class Plan>
-  RunTable(const Plan& plan, const layout::HfModel& hf, const layout::SglangLayout& receivers) {
+  RunTable(const Plan& plan, const layout::HfModel& hf, const layout::ServingLayout& receivers) {
     for (layout::BufferKind b : {layout::BufferKind::dense, layout::BufferKind::expert}) {
       std::vector<Run>& out = runs_[static_cast<int>(b)];
       const auto& segs = plan.segments(b);
@@ -90,7 +90,7 @@ class RunTable {
 
  private:
   void add_targets(Run& r, layout::Canonical c, std::int64_t n,
-                   const layout::SglangLayout& receivers) {
+                   const layout::ServingLayout& receivers) {
     r.first_target = static_cast<std::uint32_t>(targets_.size());
     layout::route_canonical(receivers, c, [&](const layout::RouteTarget& t) {
       if (t.index + n > std::int64_t{0xFFFFFFFF} || receivers[t.tensor].numel > 0xFFFFFFFFll) {

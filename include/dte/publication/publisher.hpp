@@ -31,7 +31,7 @@
 #include "dte/exec/host.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/identity.hpp"
-#include "dte/layout/sglang.hpp"
+#include "dte/layout/serving.hpp"
 #include "dte/publication/message.hpp"
 #include "dte/storage/publisher.hpp"
 
@@ -208,7 +208,7 @@ class Publisher {
 
   layout::ModelSpec spec_;
   layout::HfModel hf_;
-  layout::SglangLayout canonical_;  // the plan's receiver side; only the runs are used
+  layout::ServingLayout canonical_;  // the plan's receiver side; only the runs are used
   PublisherConfig cfg_;
   Sender sender_;
   Version version_ = 0;

@@ -2,24 +2,24 @@
 // Receivers of publication messages (publication/message.hpp), over the caller's BF16 tensors:
 //   HfReceiver     the whole model as HF tensors (a served HF/PyTorch model: one view per HF
 //                  tensor, in HfModel order);
-//   ShardReceiver  one SGLang TP rank's tensors (SglangLayout order), through the engine's own
-//                  Receiver (engine/receiver.hpp): the same commit rules and checks.
+//   ShardReceiver  one SGLang TP rank's tensors (ServingLayout order), through the engine's own
+//                  Receiver (engine/receiver.hpp).
+// Both decode the message's chunks into staged writes in their own coordinates (the HF tensors
+// as they are, a shard through receive/route.hpp) and commit them through the receiver core
+// (receive/core.hpp): the version chain, coverage of a full publication, the digest are its.
 // Both are transactional: every chunk is decoded and checked first (framing, checksums, the
 // header, the version chain, indices, for a full publication every element exactly once) and
 // only then are values written and the version committed; a refusal throws (format_error,
 // bounds_error, protocol_error) and leaves tensors, version and digest untouched.
 //
-// The version chain, as for the engine's receivers: a fresh receiver accepts only a full
-// publication; a delta needs base == the version held; the version held again is an idempotent
-// re-delivery (outcome current); an older version is refused (a receiver never moves back).
-//
-// An HfReceiver also checks the result before writing: from the digest it keeps per canonical
-// tensor and the values it is about to overwrite, it computes the digest the tensors will have
-// and refuses the publication unless it equals the trainer's (the manifest's) for every tensor.
-// An element the publication overwrites that was changed behind dte's back, a lost or reordered
-// write, a wrong base: refused, nothing written. verify() recomputes the digest from the whole
-// tensors (O(model)) and finds changes anywhere. A ShardReceiver holds a part of each tensor and
-// cannot compare alone; check_replica() compares a whole replica's ranks with the trainer's digest.
+// An HfReceiver also checks the result: from the digest it keeps per canonical tensor and the
+// values it overwrites, it computes the digest the tensors hold afterwards and refuses the
+// publication unless it equals the trainer's (the manifest's) for every tensor, undoing every
+// write before apply() throws (receive/core.hpp). An element the publication overwrites that was
+// changed behind dte's back, a lost or reordered write, a wrong base: refused, tensors as before.
+// verify() recomputes the digest from the whole tensors (O(model)) and finds changes anywhere. A
+// ShardReceiver holds a part of each tensor and cannot compare alone; check_replica() compares a
+// whole replica's ranks with the trainer's digest.
 #pragma once
 
 #include <chrono>
@@ -34,8 +34,11 @@
 #include "dte/engine/wire.hpp"
 #include "dte/error.hpp"
 #include "dte/layout/hf.hpp"
-#include "dte/layout/sglang.hpp"
+#include "dte/layout/serving.hpp"
 #include "dte/publication/message.hpp"
+#include "dte/receive/core.hpp"
+#include "dte/receive/route.hpp"
+#include "dte/receive/staged.hpp"
 
 namespace dte::publication {
 
@@ -53,89 +56,66 @@ struct ApplyReport {
 
 namespace detail {
 
-// The version chain check common to both receivers; true: a re-delivery of the version held.
-inline bool redelivery(const storage::Manifest& m, Version held, const std::string& who) {
-  if (held != no_version && m.version == held) return true;
-  if (held != no_version && m.version < held) {
-    throw protocol_error(who + ": version " + std::to_string(m.version) +
-                         " is older than the version " + std::to_string(held) +
-                         " held; a receiver never moves backwards");
-  }
-  if (!m.anchor()) {
-    if (held == no_version) {
-      throw protocol_error(who + ": version " + std::to_string(m.version) +
-                           " is a delta and this receiver holds nothing yet; apply a full "
-                           "publication first (TorchPublisher.publish_full())");
-    }
-    if (m.base != held) {
-      throw protocol_error(who + ": version " + std::to_string(m.version) + " applies to version " +
-                           std::to_string(m.base) + ", this receiver holds " +
-                           std::to_string(held) +
-                           "; apply the versions in between in order, or a full publication");
-    }
-  }
-  return false;
-}
-
-// Each tensor's indices increase over the publication's chunks (the publisher writes them in
-// order), so no element is written twice; a full publication covers every element.
-inline void check_coverage(const layout::HfModel& hf, const storage::Manifest& m,
-                           const std::vector<storage::Chunk>& chunks, const std::string& who) {
-  const auto n = static_cast<std::size_t>(hf.size());
-  std::vector<std::int64_t> last(n, -1);
-  std::vector<std::uint64_t> count(n, 0);
-  for (const storage::Chunk& c : chunks) {
-    if (m.anchor() && c.encoding != storage::Encoding::value) {
-      throw format_error(who + ": a full publication's chunk " + std::to_string(c.header.chunk) +
-                         " is diff-encoded; a full publication carries values");
-    }
-    for (const storage::TensorDelta& d : c.tensors) {
-      const auto t = static_cast<std::size_t>(d.tensor);
-      if (d.index.empty()) continue;
-      if (static_cast<std::int64_t>(d.index.front()) <= last[t]) {
-        throw protocol_error(who + ": tensor " + hf.name(d.tensor) + " element " +
-                             std::to_string(d.index.front()) + " in chunk " +
-                             std::to_string(c.header.chunk) +
-                             " comes again or out of order; each element is written once");
-      }
-      last[t] = d.index.back();
-      count[t] += d.index.size();
-    }
-  }
-  if (!m.anchor()) return;
-  for (std::size_t t = 0; t < n; ++t) {
-    const auto numel = static_cast<std::uint64_t>(hf[static_cast<std::int64_t>(t)].numel());
-    if (count[t] != numel) {
-      throw protocol_error(who + ": the full publication v" + std::to_string(m.version) +
-                           " writes " + std::to_string(count[t]) + " of the " +
-                           std::to_string(numel) + " elements of " +
-                           hf.name(static_cast<std::int64_t>(t)) + "; it must write every one");
-    }
-  }
-}
-
-// A message read for a receiver holding `held`: decoded, on the version chain, every chunk
-// decoded and covering what it must. Nothing for a re-delivery of the version held (rep says
-// current); rep's base and bytes are filled either way.
-struct Staged {
-  storage::Manifest manifest;
-  std::vector<storage::Chunk> chunks;
-};
-
-inline std::optional<Staged> stage(const layout::HfModel& hf, std::span<const std::byte> bytes,
-                                   Version held, const std::string& who, ApplyReport& rep) {
+// A message read for a receiver holding `held`: decoded and its chunks checked (framing,
+// checksums, headers, indices; each tensor's indices increase over the chunks, so no element is
+// written twice; a full publication carries values), each tensor entry routed into the
+// receiver's staged writes by route(tensor, index, bits, n) as its chunk decodes. Nothing for a
+// re-delivery of the version held (rep says current); rep's base and bytes are filled either
+// way. The version chain and the coverage of a full publication are the receiver core's
+// (receive/core.hpp).
+template <class Route>
+std::optional<storage::Manifest> stage(const layout::HfModel& hf, std::span<const std::byte> bytes,
+                                       const receive::Core& core, storage::ChunkScratch& scratch,
+                                       receive::StagedWrites& w, ApplyReport& rep, Route&& route) {
   View v = decode(hf, bytes, "publication");
-  rep.base = v.manifest.base;
+  const storage::Manifest& m = v.manifest;
+  rep.base = m.base;
   rep.bytes = bytes.size();
-  if (redelivery(v.manifest, held, who)) {
+  w.clear();
+  w.kind = m.anchor() ? MessageKind::full : MessageKind::delta;
+  w.version = m.version;
+  w.base = m.base;
+  if (core.chain(w.kind, w.version, w.base)) {
     rep.outcome = ApplyOutcome::current;
-    rep.version = held;
+    rep.version = core.version();
     return std::nullopt;
   }
-  std::vector<storage::Chunk> cs =
-      chunks(hf, v, "publication v" + std::to_string(v.manifest.version));
-  check_coverage(hf, v.manifest, cs, who);
-  return Staged{std::move(v.manifest), std::move(cs)};
+  std::vector<std::int64_t> last(static_cast<std::size_t>(hf.size()), -1);
+  for (std::size_t k = 0; k < v.chunks.size(); ++k) {
+    const storage::ChunkHeader expect{m.version, m.base, static_cast<std::uint32_t>(k), 0};
+    (void)storage::visit_chunk(
+        hf, v.chunks[k],
+        "publication v" + std::to_string(m.version) + " chunk " + std::to_string(k), &expect,
+        nullptr, scratch,
+        [&](const storage::Chunk& c, std::int64_t t, std::span<const std::uint32_t> index,
+            std::span<const std::uint16_t> bits) {
+          if (m.anchor() && c.encoding != storage::Encoding::value) {
+            throw format_error(core.who() + ": a full publication's chunk " + std::to_string(k) +
+                               " is diff-encoded; a full publication carries values");
+          }
+          if (index.empty()) return;
+          std::int64_t& l = last[static_cast<std::size_t>(t)];
+          if (static_cast<std::int64_t>(index.front()) <= l) {
+            throw protocol_error(core.who() + ": tensor " + hf.name(t) + " element " +
+                                 std::to_string(index.front()) + " in chunk " + std::to_string(k) +
+                                 " comes again or out of order; each element is written once");
+          }
+          l = index.back();
+          w.diff = c.encoding == storage::Encoding::diff;
+          route(t, index.data(), bits.data(), index.size());
+        });
+  }
+  return std::move(v.manifest);
+}
+
+// After a full publication the staging holds the whole model: let it go (a delta's is kept for
+// the next one, O(changed)).
+inline void release_if_full(storage::ChunkScratch& scratch, receive::StagedWrites& w) {
+  if (!w.full()) return;
+  w = receive::StagedWrites{};
+  scratch.plain = {};
+  scratch.index = {};
+  scratch.bits = {};
 }
 
 }  // namespace detail
@@ -144,112 +124,72 @@ class HfReceiver {
  public:
   // tensors[t]: HF tensor t of `model` (HfModel order), hf[t].numel() BF16 values each.
   HfReceiver(const layout::ModelSpec& model, std::vector<std::span<std::uint16_t>> tensors)
-      : spec_(named_by_structure(model)), hf_(spec_), tensors_(std::move(tensors)) {
-    if (static_cast<std::int64_t>(tensors_.size()) != hf_.size()) {
-      throw invalid_argument("HfReceiver: given " + std::to_string(tensors_.size()) +
-                             " tensors, the model has " + std::to_string(hf_.size()) +
-                             "; pass one view per HF tensor, in model order");
-    }
-    for (std::int64_t t = 0; t < hf_.size(); ++t) {
-      const auto n = static_cast<std::size_t>(hf_[t].numel());
-      if (tensors_[static_cast<std::size_t>(t)].size() != n) {
-        throw invalid_argument("HfReceiver: tensor " + hf_.name(t) + " has " +
-                               std::to_string(tensors_[static_cast<std::size_t>(t)].size()) +
-                               " elements, the model " + std::to_string(n));
-      }
-    }
-    digest_.assign(static_cast<std::size_t>(hf_.size()), 0);
+      : spec_(named_by_structure(model)), hf_(spec_), core_(make_core(hf_)) {
+    core_.hold(std::move(tensors));
   }
 
+  HfReceiver(const HfReceiver&) = delete;
+  HfReceiver& operator=(const HfReceiver&) = delete;
+
   [[nodiscard]] const layout::HfModel& model() const noexcept { return hf_; }
-  [[nodiscard]] Version version() const noexcept { return version_; }
+  [[nodiscard]] Version version() const noexcept { return core_.version(); }
   // Per canonical tensor, of the tensors' contents (valid once a full publication committed).
-  [[nodiscard]] const std::vector<Digest>& digest() const noexcept { return digest_; }
+  [[nodiscard]] const std::vector<Digest>& digest() const noexcept { return core_.digest(); }
 
   // The first tensor whose contents differ from what dte wrote into it ("" if none, or if
   // nothing is held yet): the digest recomputed from every element.
   [[nodiscard]] std::string verify() const {
-    if (version_ == no_version) return {};
+    if (core_.version() == no_version) return {};
     for (std::int64_t t = 0; t < hf_.size(); ++t) {
       Digest sum = 0;
-      const std::span<const std::uint16_t> x = tensors_[static_cast<std::size_t>(t)];
+      const std::span<const std::uint16_t> x = core_.tensor(t);
       for (std::size_t i = 0; i < x.size(); ++i)
         sum += element_digest(hf_[t].base + static_cast<std::int64_t>(i), x[i]);
-      if (sum != digest_[static_cast<std::size_t>(t)]) return hf_.name(t);
+      if (sum != core_.digest()[static_cast<std::size_t>(t)]) return hf_.name(t);
     }
     return {};
   }
 
   ApplyReport apply(std::span<const std::byte> bytes) {
     const auto t0 = std::chrono::steady_clock::now();
-    const std::string who = "HfReceiver (holding " + held_text() + ")";
     ApplyReport rep;
-    const std::optional<detail::Staged> staged = detail::stage(hf_, bytes, version_, who, rep);
-    if (!staged) return rep;
-    const storage::Manifest& m = staged->manifest;
-    const std::vector<storage::Chunk>& cs = staged->chunks;
-    // The digest after the writes, from the values they overwrite; the diff encoding's values
-    // are decoded against them.
-    std::vector<Digest> after = m.anchor() ? std::vector<Digest>(digest_.size(), 0) : digest_;
-    for (const storage::Chunk& c : cs) {
-      for (const storage::TensorDelta& d : c.tensors) {
-        const auto t = static_cast<std::size_t>(d.tensor);
-        const std::int64_t base = hf_[d.tensor].base;
-        const std::span<std::uint16_t> x = tensors_[t];
-        Digest& sum = after[t];
-        for (std::size_t k = 0; k < d.index.size(); ++k) {
-          const std::uint32_t i = d.index[k];
-          const std::uint16_t old = x[i];
-          const std::uint16_t bits = storage::decode_value(c.encoding, old, d.bits[k]);
-          if (!m.anchor()) sum -= element_digest(base + i, old);
-          sum += element_digest(base + i, bits);
-        }
-      }
-    }
-    for (std::size_t t = 0; t < after.size(); ++t) {
-      if (after[t] != m.digest[t]) {
-        throw protocol_error(
-            who + ": after version " + std::to_string(m.version) + " tensor " +
-            hf_.name(static_cast<std::int64_t>(t)) +
-            " would differ from the trainer's (digest mismatch): these tensors are not version " +
-            std::to_string(m.base) +
-            " as dte wrote it (written outside dte?). Nothing was written; apply a full "
-            "publication (TorchPublisher.publish_full())");
-      }
-    }
-    for (const storage::Chunk& c : cs) {
-      for (const storage::TensorDelta& d : c.tensors) {
-        const std::span<std::uint16_t> x = tensors_[static_cast<std::size_t>(d.tensor)];
-        for (std::size_t k = 0; k < d.index.size(); ++k) {
-          std::uint16_t& e = x[d.index[k]];
-          e = storage::decode_value(c.encoding, e, d.bits[k]);
-        }
-        rep.written += d.index.size();
-      }
-    }
-    digest_ = std::move(after);
-    version_ = m.version;
-    rep.version = version_;
+    receive::StagedWrites& w = staged_;
+    const std::optional<storage::Manifest> m =
+        detail::stage(hf_, bytes, core_, scratch_, w, rep,
+                      [&](std::int64_t t, const std::uint32_t* index, const std::uint16_t* bits,
+                          std::size_t n) { receive::route_hf(hf_, t, index, bits, n, w); });
+    if (!m) return rep;
+    core_.check(w);
+    // The digest the tensors will hold, from the values the writes overwrite, must be the
+    // trainer's (the manifest's) before anything is written.
+    core_.commit(w, m->digest);
+    rep.written = w.size();
+    detail::release_if_full(scratch_, w);
+    rep.version = core_.version();
     rep.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return rep;
   }
 
  private:
-  [[nodiscard]] std::string held_text() const {
-    return version_ == no_version ? std::string("nothing") : "v" + std::to_string(version_);
+  static receive::Core make_core(const layout::HfModel& hf) {
+    std::vector<std::uint64_t> numel;
+    for (std::int64_t t = 0; t < hf.size(); ++t)
+      numel.push_back(static_cast<std::uint64_t>(hf[t].numel()));
+    auto name = [&hf](std::int64_t t) { return hf.name(t); };
+    return receive::Core("HfReceiver", -1, numel, numel, numel.size(), name, name);
   }
 
   layout::ModelSpec spec_;
   layout::HfModel hf_;
-  std::vector<std::span<std::uint16_t>> tensors_;
-  std::vector<Digest> digest_;
-  Version version_ = no_version;
+  receive::Core core_;
+  storage::ChunkScratch scratch_;  // reused from one publication to the next
+  receive::StagedWrites staged_;
 };
 
 class ShardReceiver {
  public:
   // TP rank `ts` of an inference topology (tp, ep; one replica's ranks) over its tensors in
-  // SglangLayout order.
+  // ServingLayout order.
   ShardReceiver(const layout::ModelSpec& model, const layout::InferTopology& topology,
                 std::int64_t ts, ReceiverTensors tensors)
       : spec_(named_by_structure(model)),
@@ -262,7 +202,7 @@ class ShardReceiver {
   ShardReceiver& operator=(const ShardReceiver&) = delete;
 
   [[nodiscard]] const layout::HfModel& model() const noexcept { return hf_; }
-  [[nodiscard]] const layout::SglangLayout& layout() const noexcept { return layout_; }
+  [[nodiscard]] const layout::ServingLayout& layout() const noexcept { return layout_; }
   [[nodiscard]] std::int64_t rank() const noexcept { return ts_; }
   [[nodiscard]] const Receiver& receiver() const noexcept { return receiver_; }
   [[nodiscard]] Version version() const noexcept { return receiver_.version(); }
@@ -271,51 +211,20 @@ class ShardReceiver {
 
   ApplyReport apply(std::span<const std::byte> bytes) {
     const auto t0 = std::chrono::steady_clock::now();
-    const std::string who = "ShardReceiver (TP rank " + std::to_string(ts_) + ")";
     ApplyReport rep;
-    const std::optional<detail::Staged> staged =
-        detail::stage(hf_, bytes, receiver_.version(), who, rep);
-    if (!staged) return rep;
-    const storage::Manifest& m = staged->manifest;
-    const std::vector<storage::Chunk>& cs = staged->chunks;
-    // This rank's copies of every element, as the engine's message to it.
-    wire::MessageWriter w;
-    w.begin();
-    for (const storage::Chunk& c : cs) {
-      for (const storage::TensorDelta& d : c.tensors) {
-        for (std::size_t k = 0; k < d.index.size(); ++k) {
-          layout_.targets(
-              layout::Canonical{d.tensor, d.index[k]}, [&](const layout::ReceiverElement& e) {
-                if (e.ts != ts_) return;
-                const std::uint16_t held =
-                    receiver_.tensor(e.tensor)[static_cast<std::size_t>(e.index)];
-                w.add(static_cast<std::uint32_t>(e.tensor), static_cast<std::uint32_t>(e.index),
-                      storage::decode_value(c.encoding, held, d.bits[k]));
-              });
-        }
-      }
-    }
-    w.finish(m.anchor() ? MessageKind::full : MessageKind::delta, m.version, m.base);
-    Bytes message;
-    message.reserve(w.size());
-    for (const auto& part : w.spans())
-      message.insert(message.end(), part.begin(), part.end());
-    Inbox inbox;
-    inbox.emplace_back(0, std::move(message));
-    const ApplyResult r = receiver_.apply(m.version, inbox);
-    if (r.outcome == ApplyOutcome::refused) {
-      const std::string text = who + ": " + r.refusal;
-      switch (r.kind) {
-        case RefusalKind::format:
-          throw format_error(text);
-        case RefusalKind::bounds:
-          throw bounds_error(text);
-        default:
-          throw protocol_error(text);
-      }
-    }
-    rep.outcome = r.outcome;
-    rep.written = r.written;
+    receive::StagedWrites& w = staged_;
+    std::vector<receive::StagedWrites*> out(static_cast<std::size_t>(layout_.topology().tp),
+                                            nullptr);
+    out[static_cast<std::size_t>(ts_)] = &w;
+    receive::Router router(layout_, out);
+    const std::optional<storage::Manifest> m =
+        detail::stage(hf_, bytes, receiver_.core(), scratch_, w, rep,
+                      [&](std::int64_t t, const std::uint32_t* index, const std::uint16_t* bits,
+                          std::size_t n) { router.route(t, index, bits, n); });
+    if (!m) return rep;
+    rep.outcome = receiver_.apply(w);
+    rep.written = w.size();
+    detail::release_if_full(scratch_, w);
     rep.version = receiver_.version();
     rep.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return rep;
@@ -336,16 +245,18 @@ class ShardReceiver {
 
   layout::ModelSpec spec_;
   layout::HfModel hf_;
-  layout::SglangLayout layout_;
+  layout::ServingLayout layout_;
   std::int64_t ts_;
   Receiver receiver_;
+  storage::ChunkScratch scratch_;  // reused from one publication to the next
+  receive::StagedWrites staged_;
 };
 
 // Whether the TP ranks of one replica hold exactly the trainer's state `trainer`
 // (Publisher::digest()): per canonical tensor, the ranks' digests (rank_digest[ts], each rank's
 // ShardReceiver::digest(), gathered from wherever the ranks run) sum to the copies a replica
 // holds times the trainer's. Returns the first tensor that differs ("" if none).
-inline std::string check_replica(const layout::SglangLayout& layout,
+inline std::string check_replica(const layout::ServingLayout& layout,
                                  std::span<const std::vector<Digest>> rank_digest,
                                  std::span<const Digest> trainer) {
   const layout::HfModel& hf = layout.model();
@@ -378,7 +289,7 @@ inline std::string check_replica(const layout::SglangLayout& layout,
 inline std::string check_replica(std::span<const ShardReceiver* const> ranks,
                                  std::span<const Digest> trainer) {
   if (ranks.empty()) throw invalid_argument("check_replica: no ranks given");
-  const layout::SglangLayout& l = ranks.front()->layout();
+  const layout::ServingLayout& l = ranks.front()->layout();
   std::vector<std::vector<Digest>> digests(ranks.size());
   std::vector<bool> seen(ranks.size(), false);
   for (const ShardReceiver* r : ranks) {

@@ -14,7 +14,7 @@
 #include "dte/engine/engine.hpp"
 #include "dte/exec/host.hpp"
 #include "dte/layout/hf.hpp"
-#include "dte/layout/sglang.hpp"
+#include "dte/layout/serving.hpp"
 #include "dte/layout/topology.hpp"
 #include "dte/sim/threads.hpp"
 #include "dte/transport/loopback.hpp"
@@ -26,7 +26,7 @@ class LoopbackCluster {
  public:
   // threads: cores to share among the trainer ranks' executors (0: all of them).
   LoopbackCluster(const layout::HfModel& hf, const layout::TrainTopology& train,
-                  const layout::SglangLayout& receivers, EngineConfig config, int threads = 0)
+                  const layout::ServingLayout& receivers, EngineConfig config, int threads = 0)
       : world_(static_cast<int>(train.world()), static_cast<int>(receivers.topology().ranks())) {
     const int cores = HostExecutor(threads).threads();
     const int per_sender = std::max(1, cores / world_.senders());

@@ -10,14 +10,14 @@
 
 #include "dte/engine/receiver.hpp"
 #include "dte/layout/hf.hpp"
-#include "dte/layout/sglang.hpp"
+#include "dte/layout/serving.hpp"
 #include "dte/numeric/round.hpp"
 
 namespace dte::sim {
 
 // Elements of one receiver that differ from round(canonical); the vocabulary tail must be 0.
 template <class Format = Bf16Format>
-std::int64_t dense_mismatches(const layout::HfModel& hf, const layout::SglangLayout& recv,
+std::int64_t dense_mismatches(const layout::HfModel& hf, const layout::ServingLayout& recv,
                               const std::vector<float>& canonical, const Receiver& r) {
   std::int64_t bad = 0;
   {
@@ -41,7 +41,7 @@ std::int64_t dense_mismatches(const layout::HfModel& hf, const layout::SglangLay
 
 // The same over every receiver rank.
 template <class Format = Bf16Format>
-std::int64_t dense_mismatches(const layout::HfModel& hf, const layout::SglangLayout& recv,
+std::int64_t dense_mismatches(const layout::HfModel& hf, const layout::ServingLayout& recv,
                               const std::vector<float>& canonical,
                               const std::vector<const Receiver*>& receivers) {
   std::int64_t bad = 0;

@@ -9,13 +9,13 @@
 
 #include "dte/engine/message.hpp"
 #include "dte/engine/wire.hpp"
-#include "dte/layout/sglang.hpp"
+#include "dte/layout/serving.hpp"
 
 namespace dte::sim {
 
 // Tensors `tensors` of receiver TP rank ts, every live element = bits (no tensors: a bare
 // full header).
-inline wire::Message full_message(const layout::SglangLayout& layout, std::int64_t ts, Version v,
+inline wire::Message full_message(const layout::ServingLayout& layout, std::int64_t ts, Version v,
                                   std::uint16_t bits, const std::vector<std::int64_t>& tensors) {
   wire::Message m;
   m.kind = MessageKind::full;
@@ -31,7 +31,7 @@ inline wire::Message full_message(const layout::SglangLayout& layout, std::int64
 }
 
 // Every tensor of receiver TP rank ts.
-inline wire::Message full_message(const layout::SglangLayout& layout, std::int64_t ts, Version v,
+inline wire::Message full_message(const layout::ServingLayout& layout, std::int64_t ts, Version v,
                                   std::uint16_t bits) {
   std::vector<std::int64_t> all(static_cast<std::size_t>(layout.size()));
   for (std::int64_t k = 0; k < layout.size(); ++k)

@@ -18,7 +18,7 @@
 #include "dte/engine/engine.hpp"
 #include "dte/exec/host.hpp"
 #include "dte/layout/hf.hpp"
-#include "dte/layout/sglang.hpp"
+#include "dte/layout/serving.hpp"
 #include "dte/layout/topology.hpp"
 #include "dte/optim/adam.hpp"
 #include "dte/sim/threads.hpp"
@@ -85,7 +85,7 @@ class StorageCluster {
 // A storage reader with its own tensors (zero-filled), over whole replicas.
 class OwnedReader {
  public:
-  OwnedReader(const layout::HfModel& hf, const layout::SglangLayout& layout,
+  OwnedReader(const layout::HfModel& hf, const layout::ServingLayout& layout,
               std::filesystem::path root, std::vector<std::int64_t> replicas,
               storage::ReaderConfig cfg = {}) {
     std::vector<ReceiverTensors> views;

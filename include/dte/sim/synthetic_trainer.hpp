@@ -27,7 +27,7 @@
 #include "dte/layout/hf.hpp"
 #include "dte/layout/megatron.hpp"
 #include "dte/layout/plan.hpp"
-#include "dte/layout/sglang.hpp"
+#include "dte/layout/serving.hpp"
 #include "dte/layout/topology.hpp"
 #include "dte/optim/adam.hpp"
 
@@ -120,7 +120,7 @@ class SyntheticTrainer {
  public:
   // hf and receivers must outlive the trainer (its plans refer to them).
   SyntheticTrainer(const layout::HfModel& hf, const layout::TrainTopology& topology,
-                   const layout::SglangLayout& receivers, SyntheticConfig cfg = {})
+                   const layout::ServingLayout& receivers, SyntheticConfig cfg = {})
       : hf_(&hf), topology_(topology), cfg_(cfg) {
     validate_config();
     layout::validate(hf.spec(), topology);

@@ -173,15 +173,16 @@ inline void put_gaps(std::span<const std::uint32_t> sorted, std::vector<std::uin
 
 // Decodes exactly `count` indices from `in` (every byte used), each below `numel`; format_error
 // naming `where` otherwise.
-inline std::vector<std::uint32_t> get_gaps(std::span<const std::uint8_t> in, std::uint64_t count,
-                                           std::uint64_t numel, const std::string& where) {
+inline void get_gaps(std::span<const std::uint8_t> in, std::uint64_t count, std::uint64_t numel,
+                     const std::string& where, std::vector<std::uint32_t>& out) {
   if (count > in.size()) {
     throw format_error(where + ": " + std::to_string(count) + " values but only " +
                        std::to_string(in.size()) + " index bytes (each index takes at least one)");
   }
   std::size_t at = 0;
-  std::vector<std::uint32_t> values = detail::take_gaps<std::uint32_t>(
-      in, at, count, numel, [&](detail::GapFault f, std::uint64_t k, std::uint64_t v) {
+  detail::take_gaps<std::uint32_t>(
+      in, at, count, numel,
+      [&](detail::GapFault f, std::uint64_t k, std::uint64_t v) {
         if (f == detail::GapFault::ends) {
           throw format_error(where + ": the index stream ends after " + std::to_string(k) + " of " +
                              std::to_string(count) + " indices");
@@ -193,12 +194,19 @@ inline std::vector<std::uint32_t> get_gaps(std::span<const std::uint8_t> in, std
         }
         throw format_error(where + ": index " + std::to_string(v) + " (entry " + std::to_string(k) +
                            ") is outside the tensor's " + std::to_string(numel) + " elements");
-      });
+      },
+      out);
   if (at != in.size()) {
     throw format_error(where + ": " + std::to_string(in.size() - at) +
                        " bytes follow the last of the " + std::to_string(count) + " indices");
   }
-  return values;
+}
+
+inline std::vector<std::uint32_t> get_gaps(std::span<const std::uint8_t> in, std::uint64_t count,
+                                           std::uint64_t numel, const std::string& where) {
+  std::vector<std::uint32_t> out;
+  get_gaps(in, count, numel, where, out);
+  return out;
 }
 
 namespace detail {
@@ -292,17 +300,39 @@ inline FrameTable frame_table(std::span<const std::byte> bytes, const std::strin
   return table;
 }
 
-// The zstd frames of `bytes`, decompressed and concatenated; refused as frame_table refuses,
-// before anything is allocated.
-inline std::vector<std::byte> decompress_frames(std::span<const std::byte> bytes,
-                                                const std::string& source,
-                                                std::uint64_t max_bytes = max_decoded_bytes) {
+// Memory reused from one chunk to the next by a reader that decodes many (a receiver applying
+// publications): the zstd context, the decompressed bytes, one tensor entry's indices and
+// values. Holding one keeps each decode free of allocations and page faults once it has grown
+// to the largest chunk seen.
+class ChunkScratch {
+ public:
+  ChunkScratch() : dctx_(ZSTD_createDCtx()) {
+    if (dctx_ == nullptr) throw error("dte::storage::ChunkScratch: zstd could not allocate");
+  }
+  ~ChunkScratch() { ZSTD_freeDCtx(dctx_); }
+  ChunkScratch(const ChunkScratch&) = delete;
+  ChunkScratch& operator=(const ChunkScratch&) = delete;
+
+  [[nodiscard]] ZSTD_DCtx* dctx() const noexcept { return dctx_; }
+  std::vector<std::byte> plain;
+  std::vector<std::uint32_t> index;
+  std::vector<std::uint16_t> bits;
+
+ private:
+  ZSTD_DCtx* dctx_;
+};
+
+// The zstd frames of `bytes`, decompressed and concatenated into `plain` (resized to them);
+// refused as frame_table refuses, before anything is allocated.
+inline void decompress_frames(std::span<const std::byte> bytes, const std::string& source,
+                              std::uint64_t max_bytes, ZSTD_DCtx* dctx,
+                              std::vector<std::byte>& plain) {
   const FrameTable table = frame_table(bytes, source, max_bytes);
-  std::vector<std::byte> plain(static_cast<std::size_t>(table.total));
+  plain.resize(static_cast<std::size_t>(table.total));
   std::size_t out = 0;
   for (const auto& [at, span] : table.frames) {
     const std::size_t got =
-        ZSTD_decompress(plain.data() + out, plain.size() - out, bytes.data() + at, span);
+        ZSTD_decompressDCtx(dctx, plain.data() + out, plain.size() - out, bytes.data() + at, span);
     if (ZSTD_isError(got)) {
       throw format_error(source + ": zstd refused the chunk (" + ZSTD_getErrorName(got) +
                          "); it is corrupt or truncated");
@@ -313,7 +343,14 @@ inline std::vector<std::byte> decompress_frames(std::span<const std::byte> bytes
     throw format_error(source + ": the zstd frames stated " + std::to_string(plain.size()) +
                        " bytes but decompressed to " + std::to_string(out));
   }
-  return plain;
+}
+
+inline std::vector<std::byte> decompress_frames(std::span<const std::byte> bytes,
+                                                const std::string& source,
+                                                std::uint64_t max_bytes = max_decoded_bytes) {
+  ChunkScratch s;
+  decompress_frames(bytes, source, max_bytes, s.dctx(), s.plain);
+  return std::move(s.plain);
 }
 
 // The chunk's compressed bytes. zstd_level: 1 (fast) to 19. base: what a class index is coded
@@ -430,17 +467,44 @@ inline std::vector<std::byte> encode_chunk(const layout::HfModel& hf, const Chun
 // unread; base: the bits held before the version, which a class index is resolved against (a
 // chunk with one is refused, unsupported, without it). Refuses everything the header comment
 // lists.
+//
+// visit_chunk is the one decoder: it checks the whole chunk first, then calls
+// f(const Chunk& header, std::int64_t tensor, std::span<const std::uint32_t> index,
+//   std::span<const std::uint16_t> bits) per tensor entry, in order (header: the chunk without
+// its tensors), from memory in `scratch`; decode_chunk collects the entries into a Chunk.
 namespace detail {
-inline Chunk decode_chunk(const layout::HfModel& hf, std::span<const std::byte> bytes,
-                          const std::string& source, const ChunkHeader* expect,
-                          std::uint64_t max_bytes, const ClassBase* base, bool resolve);
+template <class F>
+Chunk visit_chunk(const layout::HfModel& hf, std::span<const std::byte> bytes,
+                  const std::string& source, const ChunkHeader* expect, std::uint64_t max_bytes,
+                  const ClassBase* base, bool resolve, ChunkScratch& scratch, F&& f);
 }  // namespace detail
+
+template <class F>
+Chunk visit_chunk(const layout::HfModel& hf, std::span<const std::byte> bytes,
+                  const std::string& source, const ChunkHeader* expect, const ClassBase* base,
+                  ChunkScratch& scratch, F&& f) {
+  return detail::visit_chunk(hf, bytes, source, expect, max_decoded_bytes, base, true, scratch,
+                             std::forward<F>(f));
+}
 
 inline Chunk decode_chunk(const layout::HfModel& hf, std::span<const std::byte> bytes,
                           const std::string& source, const ChunkHeader* expect = nullptr,
                           std::uint64_t max_bytes = max_decoded_bytes,
                           const ClassBase* base = nullptr) {
-  return detail::decode_chunk(hf, bytes, source, expect, max_bytes, base, true);
+  ChunkScratch scratch;
+  std::vector<TensorDelta> tensors;
+  Chunk c = detail::visit_chunk(
+      hf, bytes, source, expect, max_bytes, base, true, scratch,
+      [&](const Chunk&, std::int64_t tensor, std::span<const std::uint32_t> index,
+          std::span<const std::uint16_t> bits) {
+        TensorDelta t;
+        t.tensor = tensor;
+        t.index.assign(index.begin(), index.end());
+        t.bits.assign(bits.begin(), bits.end());
+        tensors.push_back(std::move(t));
+      });
+  c.tensors = std::move(tensors);
+  return c;
 }
 
 // Every check of decode_chunk but the resolution of class indices, which needs the base: for
@@ -448,14 +512,25 @@ inline Chunk decode_chunk(const layout::HfModel& hf, std::span<const std::byte> 
 inline void check_chunk(const layout::HfModel& hf, std::span<const std::byte> bytes,
                         const std::string& source, const ChunkHeader* expect = nullptr,
                         std::uint64_t max_bytes = max_decoded_bytes) {
-  (void)detail::decode_chunk(hf, bytes, source, expect, max_bytes, nullptr, false);
+  ChunkScratch scratch;
+  (void)detail::visit_chunk(hf, bytes, source, expect, max_bytes, nullptr, false, scratch,
+                            [](const Chunk&, std::int64_t, std::span<const std::uint32_t>,
+                               std::span<const std::uint16_t>) {});
 }
 
-inline Chunk detail::decode_chunk(const layout::HfModel& hf, std::span<const std::byte> bytes,
-                                  const std::string& source, const ChunkHeader* expect,
-                                  std::uint64_t max_bytes, const ClassBase* base, bool resolve) {
-  std::vector<std::byte> plain = decompress_frames(bytes, source, max_bytes);
-  const io::SafetensorsFile file = io::SafetensorsFile::parse(std::move(plain), source);
+template <class F>
+Chunk detail::visit_chunk(const layout::HfModel& hf, std::span<const std::byte> bytes,
+                          const std::string& source, const ChunkHeader* expect,
+                          std::uint64_t max_bytes, const ClassBase* base, bool resolve,
+                          ChunkScratch& scratch, F&& f) {
+  decompress_frames(bytes, source, max_bytes, scratch.dctx(), scratch.plain);
+  io::SafetensorsFile file = io::SafetensorsFile::parse(std::move(scratch.plain), source);
+  // (the decompressed bytes go back to the scratch however this ends)
+  struct GiveBack {
+    io::SafetensorsFile& file;
+    ChunkScratch& scratch;
+    ~GiveBack() { scratch.plain = std::move(file).release(); }
+  } give_back{file, scratch};
   const auto& meta = file.metadata();
   if (detail::metadata_or_refuse(meta, "dte.format", source) != chunk_format) {
     throw format_error(source + ": dte.format is \"" + meta.at("dte.format") + "\", this reader " +
@@ -537,8 +612,6 @@ inline Chunk detail::decode_chunk(const layout::HfModel& hf, std::span<const std
     const std::int64_t id = ids.find(name)->second;
     const std::uint64_t n = hi.shape[0];
     const auto gap_bytes = file.bytes(info);
-    TensorDelta t;
-    t.tensor = id;
     const std::span<const std::uint8_t> code{
         reinterpret_cast<const std::uint8_t*>(gap_bytes.data()), gap_bytes.size()};
     const auto numel = static_cast<std::uint64_t>(hf[id].numel());
@@ -547,14 +620,16 @@ inline Chunk detail::decode_chunk(const layout::HfModel& hf, std::span<const std
                          ": an index stream of a classes chunk starts with its mode, 0 "
                          "(plain) or 1 (class index)");
     }
+    std::vector<std::uint32_t>& index = scratch.index;
     if (c.index == IndexCode::classes && code[0] == 0) {
-      t.index = get_gaps(code.subspan(1), n, numel, where);
+      get_gaps(code.subspan(1), n, numel, where, index);
     } else if (c.index == IndexCode::classes) {
       const ClassIndex x = get_class_index(code.subspan(1), numel, where);
       if (x.values != n) {
         throw format_error(where + ": the class index names " + std::to_string(x.values) +
                            " elements, the value planes hold " + std::to_string(n));
       }
+      index.clear();
       if (base == nullptr && !resolve) {
         // (check_chunk: parsed and bounded, not resolved)
       } else if (base == nullptr) {
@@ -563,7 +638,7 @@ inline Chunk detail::decode_chunk(const layout::HfModel& hf, std::span<const std
                           "classes), which this reader does not hold whole; publish with the "
                           "plain index");
       } else {
-        t.index = resolve_class_index(
+        index = resolve_class_index(
             x,
             [&](std::uint64_t start, std::uint64_t count, std::uint16_t* out) {
               base->bits(id, start, count, out);
@@ -571,16 +646,18 @@ inline Chunk detail::decode_chunk(const layout::HfModel& hf, std::span<const std
             where);
       }
     } else {
-      t.index = get_gaps(code, n, numel, where);
+      get_gaps(code, n, numel, where, index);
     }
     const auto high = file.bytes(hi);
     const auto low = file.bytes(lo);
-    t.bits.resize(static_cast<std::size_t>(n));
-    for (std::size_t k = 0; k < t.bits.size(); ++k) {
-      t.bits[k] = static_cast<std::uint16_t>((std::to_integer<std::uint16_t>(high[k]) << 8) |
+    std::vector<std::uint16_t>& values = scratch.bits;
+    values.resize(static_cast<std::size_t>(n));
+    for (std::size_t k = 0; k < values.size(); ++k) {
+      values[k] = static_cast<std::uint16_t>((std::to_integer<std::uint16_t>(high[k]) << 8) |
                                              std::to_integer<std::uint16_t>(low[k]));
     }
-    c.tensors.push_back(std::move(t));
+    f(static_cast<const Chunk&>(c), id, std::span<const std::uint32_t>(index),
+      std::span<const std::uint16_t>(values));
   }
   return c;
 }

@@ -129,14 +129,14 @@ inline void put_gap(std::uint64_t gap, std::vector<std::uint8_t>& out) {
 // What take_gaps found wrong.
 enum class GapFault { ends, escape_ends, past_limit };
 
-// Reads `count` values of the gap code from in[at...] (advancing at), each below `limit`, as T;
-// fail(fault, entry, value) throws: value is the escape's byte count for escape_ends, the value
-// for past_limit.
+// Reads `count` values of the gap code from in[at...] (advancing at), each below `limit`, as T,
+// into out (replacing what it held); fail(fault, entry, value) throws: value is the escape's
+// byte count for escape_ends, the value for past_limit.
 template <class T, class Fail>
-std::vector<T> take_gaps(std::span<const std::uint8_t> in, std::size_t& at, std::uint64_t count,
-                         std::uint64_t limit, Fail&& fail) {
-  std::vector<T> out;
-  out.reserve(static_cast<std::size_t>(count));
+void take_gaps(std::span<const std::uint8_t> in, std::size_t& at, std::uint64_t count,
+               std::uint64_t limit, Fail&& fail, std::vector<T>& out) {
+  out.resize(static_cast<std::size_t>(count));
+  T* const o = out.data();
   const auto fixed = [&](int bytes, std::uint64_t k) {
     if (in.size() - at < static_cast<std::size_t>(bytes)) {
       fail(GapFault::escape_ends, k, static_cast<std::uint64_t>(bytes));
@@ -156,9 +156,16 @@ std::vector<T> take_gaps(std::span<const std::uint8_t> in, std::size_t& at, std:
     }
     const std::uint64_t v = next + gap;
     if (v >= limit) fail(GapFault::past_limit, k, v);
-    out.push_back(static_cast<T>(v));
+    o[k] = static_cast<T>(v);
     next = v + 1;
   }
+}
+
+template <class T, class Fail>
+std::vector<T> take_gaps(std::span<const std::uint8_t> in, std::size_t& at, std::uint64_t count,
+                         std::uint64_t limit, Fail&& fail) {
+  std::vector<T> out;
+  take_gaps<T>(in, at, count, limit, std::forward<Fail>(fail), out);
   return out;
 }
 

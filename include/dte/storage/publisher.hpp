@@ -47,7 +47,7 @@
 #include "dte/io/file.hpp"
 #include "dte/io/safetensors.hpp"
 #include "dte/layout/hf.hpp"
-#include "dte/layout/sglang.hpp"
+#include "dte/layout/serving.hpp"
 #include "dte/layout/topology.hpp"
 #include "dte/storage/chunk.hpp"
 #include "dte/storage/layout.hpp"
@@ -694,7 +694,7 @@ class Publisher {
   }
 
   const layout::HfModel* hf_;
-  layout::SglangLayout canonical_;  // the plan's receiver side; only the runs are used
+  layout::ServingLayout canonical_;  // the plan's receiver side; only the runs are used
   std::filesystem::path root_;
   PublisherConfig cfg_;
   World* world_;

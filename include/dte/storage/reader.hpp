@@ -11,9 +11,10 @@
 //      newest anchor at or below T when the version held is not on it (a reader that lagged
 //      past a restart, a fresh reader) — at most max_chain manifests;
 //   3. oldest first, each version's files are read and verified (listed size, xxh3, the chunk's
-//      own header, every index bounded) and turned into one message per receiver rank (each
-//      canonical element to every copy the replicas hold) before any receiver is touched; then
-//      every receiver applies it, and the replicas' digests are checked against the manifest's.
+//      own header, every index bounded) and routed into the staged writes of every receiver
+//      rank (each canonical element to every copy the replicas hold; receive/route.hpp) before
+//      any receiver is touched; then every receiver's core commits them, and the replicas'
+//      digests are checked against the manifest's.
 // Any error leaves the version held served: nothing of a version that failed to read is
 // written. Only two things leave the reader dirty (its tensors no longer one version): a
 // receiver refusing after another committed, or a digest that disagrees after an apply; the
@@ -27,16 +28,18 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "dte/engine/digest.hpp"
 #include "dte/engine/receiver.hpp"
-#include "dte/engine/wire.hpp"
 #include "dte/error.hpp"
 #include "dte/io/safetensors.hpp"
 #include "dte/layout/hf.hpp"
-#include "dte/layout/sglang.hpp"
+#include "dte/layout/serving.hpp"
+#include "dte/receive/route.hpp"
+#include "dte/receive/staged.hpp"
 #include "dte/storage/chunk.hpp"
 #include "dte/storage/layout.hpp"
 #include "dte/storage/manifest.hpp"
@@ -133,8 +136,8 @@ inline std::vector<Manifest> chain_to(const layout::HfModel& hf, const std::file
 class Reader {
  public:
   // Whole replicas `replicas` of `layout`; tensors[k] are the views of receiver rank
-  // replicas[k / tp] * tp + k % tp (its tensors in SglangLayout order), owned by the caller.
-  Reader(const layout::HfModel& hf, const layout::SglangLayout& layout, std::filesystem::path root,
+  // replicas[k / tp] * tp + k % tp (its tensors in ServingLayout order), owned by the caller.
+  Reader(const layout::HfModel& hf, const layout::ServingLayout& layout, std::filesystem::path root,
          std::vector<std::int64_t> replicas, std::vector<ReceiverTensors> tensors,
          ReaderConfig cfg = {})
       : hf_(&hf),
@@ -228,25 +231,25 @@ class Reader {
     dirty_ = false;
   }
 
-  // One version: read and checked in full, as one message per receiver; then applied.
+  // One version: read and checked in full, routed into the staged writes of every served
+  // rank; then applied by each rank's receiver core.
   void apply(const Manifest& m, ReadReport& rep) {
     const std::filesystem::path dir = version_dir(root_, m.version);
-    const std::int64_t tp = layout_->topology().tp;
-    std::vector<wire::MessageWriter> out(receivers_.size());
-    for (auto& w : out)
-      w.begin();
-    auto put = [&](std::int64_t tensor, std::int64_t index, std::uint16_t bits) {
-      layout_->targets(layout::Canonical{tensor, index}, [&](const layout::ReceiverElement& e) {
-        for (std::size_t r = 0; r < replicas_.size(); ++r) {
-          out[r * static_cast<std::size_t>(tp) + static_cast<std::size_t>(e.ts)].add(
-              static_cast<std::uint32_t>(e.tensor), static_cast<std::uint32_t>(e.index), bits);
-        }
-      });
-    };
+    const auto tp = static_cast<std::size_t>(layout_->topology().tp);
+    std::vector<receive::StagedWrites> staged(receivers_.size());
+    for (receive::StagedWrites& w : staged) {
+      w.kind = m.anchor() ? MessageKind::full : MessageKind::delta;
+      w.version = m.version;
+      w.base = m.base;
+    }
+    // The first served replica's ranks; the others get copies.
+    std::vector<receive::StagedWrites*> first(tp);
+    for (std::size_t ts = 0; ts < tp; ++ts)
+      first[ts] = &staged[ts];
+    receive::Router router(*layout_, first);
     if (m.anchor()) {
       rep.bytes_read += read_anchor(*hf_, dir, m, [&](std::int64_t t, const auto& bits) {
-        for (std::size_t i = 0; i < bits.size(); ++i)
-          put(t, static_cast<std::int64_t>(i), bits[i]);
+        router.route(t, nullptr, bits.data(), bits.size());
       });
     } else {
       std::vector<ChunkEntry> order = m.chunks;
@@ -256,51 +259,48 @@ class Reader {
       const HeldBase held(*this);
       for (const ChunkEntry& e : order) {
         // (device memory is not read back: a class index is then refused, as diff values are)
-        const Chunk c =
-            read_chunk(*hf_, dir, m, e, receivers_.front()->has_sink() ? nullptr : &held);
+        const std::vector<std::byte> bytes = read_chunk_bytes(dir, e);
         rep.bytes_read += e.bytes;
-        const bool diff = c.encoding == Encoding::diff;
-        if (diff && receivers_.front()->has_sink()) {
-          throw unsupported((dir / e.file).string() +
-                            ": diff-encoded, and this reader's tensors are device memory it does "
-                            "not read back; publish with the value encoding");
-        }
-        for (const TensorDelta& d : c.tensors) {
-          for (std::size_t k = 0; k < d.index.size(); ++k) {
-            // diff: decoded against the value held (the chain holds exactly the base), into the
-            // staged messages; nothing is written until every chunk is decoded.
-            const std::uint16_t bits =
-                diff ? diff_apply(held_bits(d.tensor, d.index[k]), d.bits[k]) : d.bits[k];
-            put(d.tensor, d.index[k], bits);
-          }
-        }
+        const ChunkHeader expect{m.version, m.base, e.chunk, e.writer};
+        const std::string source = (dir / e.file).string();
+        (void)visit_chunk(
+            *hf_, bytes, source, &expect, receivers_.front()->has_sink() ? nullptr : &held,
+            scratch_,
+            [&](const Chunk& c, std::int64_t t, std::span<const std::uint32_t> index,
+                std::span<const std::uint16_t> bits) {
+              const bool diff = c.encoding == Encoding::diff;
+              if (diff && receivers_.front()->has_sink()) {
+                throw unsupported(source +
+                                  ": diff-encoded, and this reader's tensors are device memory it "
+                                  "does not read back; publish with the value encoding");
+              }
+              // diff: each rank's core decodes the codes against the value it holds (the chain
+              // holds exactly the base) when it commits; nothing is written until every chunk
+              // is decoded.
+              for (std::size_t ts = 0; ts < tp; ++ts)
+                staged[ts].diff = diff;
+              router.route(t, index.data(), bits.data(), index.size());
+            });
       }
     }
+    for (std::size_t k = tp; k < staged.size(); ++k)
+      staged[k] = staged[k % tp];
     // Everything is read and checked: now the receivers.
     if (m.anchor()) {
       fresh_receivers();
       rep.reseeded = true;
     }
-    const MessageKind kind = m.anchor() ? MessageKind::full : MessageKind::delta;
     bool committed_any = false;
     for (std::size_t k = 0; k < receivers_.size(); ++k) {
-      out[k].finish(kind, m.version, m.base);
-      Bytes bytes;
-      bytes.reserve(out[k].size());
-      for (const auto& part : out[k].spans())
-        bytes.insert(bytes.end(), part.begin(), part.end());
-      out[k].clear();
-      Inbox inbox;
-      inbox.emplace_back(0, std::move(bytes));
-      const ApplyResult r = receivers_[k]->apply(m.version, inbox);
-      if (r.outcome == ApplyOutcome::refused) {
+      try {
+        committed_any = receivers_[k]->apply(staged[k]) == ApplyOutcome::committed || committed_any;
+      } catch (const error& e) {
         if (committed_any) dirty_ = true;
         throw protocol_error(
             "receiver rank " + std::to_string(receivers_[k]->rank()) + " refused version " +
-            std::to_string(m.version) + ": " + r.refusal +
+            std::to_string(m.version) + ": " + e.what() +
             (dirty_ ? " (after others committed: reseeding at the next poll)" : ""));
       }
-      committed_any = committed_any || r.outcome == ApplyOutcome::committed;
     }
     check_digest(m);
   }
@@ -345,12 +345,6 @@ class Reader {
     }
   }
 
-  [[nodiscard]] std::uint16_t held_bits(std::int64_t tensor, std::int64_t index) const {
-    std::uint16_t bits = 0;
-    copy_held(tensor, index, 1, &bits);
-    return bits;
-  }
-
   // Per served replica and canonical tensor: its ranks' digests sum to the copies it holds
   // times the manifest's.
   void check_digest(const Manifest& m) {
@@ -375,12 +369,13 @@ class Reader {
   }
 
   const layout::HfModel* hf_;
-  const layout::SglangLayout* layout_;
+  const layout::ServingLayout* layout_;
   std::filesystem::path root_;
   std::vector<std::int64_t> replicas_;
   std::vector<ReceiverTensors> tensors_;
   ReaderConfig cfg_;
   std::vector<std::unique_ptr<Receiver>> receivers_;
+  ChunkScratch scratch_;  // reused from one chunk to the next
   bool dirty_ = false;
 };
 

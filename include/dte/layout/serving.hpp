@@ -1,10 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
-// The SGLang/vLLM receiver layout: per-TP-rank tensors (fused qkv_proj and its bias with KV
-// replication when TP > KV heads, gate_up_proj, row-parallel o_proj/down_proj, vocab-parallel
-// embed_tokens and lm_head without Megatron's padding, one tensor for both when tied, FusedMoE
-// w13/w2 under EP and MoE-TP), the map from an HF canonical element to every (TP rank, tensor,
-// local index) holding it, and its inverse.
-// Formulas: shared/LAYOUTS.md §5, §6 and §11; tables in docs/layouts.md.
+// ServingLayout: the receiver layout SGLang and vLLM both use, at every TP size (the same
+// parameter names, shapes and fusions in either engine): per-TP-rank tensors (fused qkv_proj and
+// its bias with KV replication when TP > KV heads, gate_up_proj, row-parallel o_proj/down_proj,
+// vocab-parallel embed_tokens and lm_head without Megatron's padding, one tensor for both when
+// tied, FusedMoE w13/w2 under EP and MoE-TP), the map from an HF canonical element to every (TP
+// rank, tensor, local index) holding it, and its inverse. Formulas: shared/LAYOUTS.md §5, §6 and
+// §11; tables in docs/layouts.md.
 #pragma once
 
 #include <algorithm>
@@ -54,9 +55,9 @@ struct ReceiverElement {
   std::int64_t index;
 };
 
-class SglangLayout {
+class ServingLayout {
  public:
-  SglangLayout(const HfModel& hf, const InferTopology& t) : hf_(&hf), t_(t) {
+  ServingLayout(const HfModel& hf, const InferTopology& t) : hf_(&hf), t_(t) {
     const ModelSpec& m = hf.spec();
     const std::int64_t H = m.hidden, Ts = t.tp;
     vs_ = InferTopology::padded_vocab(m.vocab);

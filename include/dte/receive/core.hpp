@@ -1,0 +1,437 @@
+// SPDX-License-Identifier: Apache-2.0
+// The receiver core: what every receiver of dte does with one publication once a decoder has
+// turned it into StagedWrites (receive/staged.hpp) — the engine's receiver ranks (wire v2), the
+// publication receivers over HF tensors or one TP rank's shard, the storage reader (chunk-v1).
+// The rules exist here once:
+//   - the version chain (chain()): a receiver never moves backwards; the version held again is
+//     a re-delivery, an idempotent no-op; a delta or no-op needs base == the version held, which
+//     must be a real version (a fresh receiver accepts only a full publication); a repair
+//     rewrites elements within the version held;
+//   - bounds and coverage (check()): every piece inside the live part of an existing tensor (no
+//     write into the vocabulary padding, which the digest does not cover); a full publication
+//     writes every live element exactly once (pieces pairwise disjoint, counts summing to the
+//     live elements), so the digest rebuilt from its writes is exact;
+//   - the commit (commit()): values scattered in place and the digest moved by what each write
+//     overwrites and writes (a full publication rebuilds it), O(written); or the writes handed
+//     to a TensorSink (device memory). With an expected digest (a receiver that holds whole
+//     tensors), the publication is refused unless the digest the tensors hold afterwards equals
+//     the trainer's; the pass that writes keeps what it overwrote, and a refusal undoes every
+//     write before it returns (one pass over the targets, not a read pass and a write pass).
+//
+// Speed: the targets of a sparse publication are scattered over tensors far larger than the
+// caches, so each write is a cache miss. The commit walks the writes with software prefetches a
+// fixed distance ahead, so the misses overlap instead of arriving one at a time.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dte/engine/digest.hpp"
+#include "dte/engine/message.hpp"
+#include "dte/error.hpp"
+#include "dte/receive/staged.hpp"
+#include "dte/storage/value_code.hpp"
+
+namespace dte {
+
+enum class ApplyOutcome {
+  committed,  // the publication was applied and its version is now held
+  current,    // a re-delivery of the version already held: nothing changed
+  refused,    // nothing changed; the refusal says why
+};
+
+// One receiver rank's tensors: views[k] is receiver tensor k (caller-owned).
+using ReceiverTensors = std::vector<std::span<std::uint16_t>>;
+
+// Receiver tensors the host cannot write (device memory). commit() writes staged writes the
+// core has checked in full (values, never diff codes) and moves the sink's digest (per canonical
+// tensor, of the tensors' contents) by what they overwrote and wrote; digest() reads it.
+class TensorSink {
+ public:
+  virtual ~TensorSink() = default;
+  virtual void commit(const receive::StagedWrites& writes) = 0;
+  [[nodiscard]] virtual std::vector<Digest> digest() const = 0;
+};
+
+namespace receive {
+
+inline std::string kind_name(MessageKind k) {
+  switch (k) {
+    case MessageKind::delta:
+      return "delta";
+    case MessageKind::noop:
+      return "no-op";
+    case MessageKind::full:
+      return "full";
+    case MessageKind::repair:
+      return "repair";
+  }
+  return "?";
+}
+
+// Writes ahead of the one being applied whose target is prefetched (8, 16, 32 measured with
+// bench/bench_apply.cpp: 32 the fastest).
+inline constexpr std::size_t prefetch_distance = 32;
+
+class Core {
+ public:
+  // Receiver tensor k has numel[k] elements, of which [0, live_end[k]) hold data; the digest is
+  // kept per canonical tensor (`canonical` of them); name(k) names tensor k in refusals; `rank`
+  // is the receiver's in error contexts; `who` starts every refusal's text; canonical_name(t)
+  // names canonical tensor t.
+  Core(std::string who, std::int64_t rank, std::vector<std::uint64_t> numel,
+       std::vector<std::uint64_t> live_end, std::size_t canonical,
+       std::function<std::string(std::int64_t)> name,
+       std::function<std::string(std::int64_t)> canonical_name)
+      : who_(std::move(who)),
+        rank_(rank),
+        numel_(std::move(numel)),
+        live_end_(std::move(live_end)),
+        name_(std::move(name)),
+        canonical_name_(std::move(canonical_name)),
+        digest_(canonical, 0) {}
+
+  // Host tensors, one view per receiver tensor, of numel[k] elements each.
+  void hold(ReceiverTensors tensors) {
+    if (tensors.size() != numel_.size()) {
+      throw invalid_argument(who_ + ": given " + std::to_string(tensors.size()) +
+                             " tensors, the layout has " + std::to_string(numel_.size()) +
+                             "; pass one view per receiver tensor, in layout order");
+    }
+    for (std::size_t k = 0; k < numel_.size(); ++k) {
+      if (tensors[k].size() != numel_[k]) {
+        throw invalid_argument(who_ + ": tensor " + name_(static_cast<std::int64_t>(k)) + " has " +
+                               std::to_string(tensors[k].size()) + " elements, the layout says " +
+                               std::to_string(numel_[k]));
+      }
+    }
+    tensors_ = std::move(tensors);
+  }
+
+  // Tensors behind a sink (device memory): the sink holds them and their digest.
+  void hold(std::shared_ptr<TensorSink> sink) {
+    if (!sink) throw invalid_argument(who_ + ": the tensor sink is null; pass the tensors' sink");
+    std::vector<Digest> d = sink->digest();
+    if (d.size() != digest_.size()) {
+      throw invalid_argument(who_ + ": the tensor sink keeps " + std::to_string(d.size()) +
+                             " digests, the model has " + std::to_string(digest_.size()) +
+                             " canonical tensors");
+    }
+    sink_ = std::move(sink);
+    digest_ = std::move(d);
+  }
+
+  [[nodiscard]] const std::string& who() const noexcept { return who_; }
+  [[nodiscard]] std::int64_t rank() const noexcept { return rank_; }
+  [[nodiscard]] Version version() const noexcept { return version_; }
+  [[nodiscard]] const std::vector<Digest>& digest() const noexcept { return digest_; }
+  [[nodiscard]] bool has_sink() const noexcept { return sink_ != nullptr; }
+  [[nodiscard]] std::size_t tensors() const noexcept { return numel_.size(); }
+  [[nodiscard]] std::uint64_t numel(std::size_t k) const noexcept { return numel_[k]; }
+  [[nodiscard]] std::uint64_t live_end(std::size_t k) const noexcept { return live_end_[k]; }
+  [[nodiscard]] std::string name(std::int64_t k) const { return name_(k); }
+  [[nodiscard]] std::span<const std::uint16_t> tensor(std::int64_t id) const {
+    if (sink_) {
+      throw invalid_argument(who_ +
+                             ": its tensors are behind a sink (device memory); read them "
+                             "there");
+    }
+    return tensors_[static_cast<std::size_t>(id)];
+  }
+  [[nodiscard]] std::size_t held_bytes() const noexcept {
+    return sizeof(*this) + digest_.capacity() * sizeof(Digest) +
+           (live_end_.capacity() + numel_.capacity()) * sizeof(std::uint64_t) +
+           tensors_.capacity() * sizeof(tensors_[0]);
+  }
+  [[nodiscard]] std::string held_name() const {
+    return version_ == no_version ? std::string("nothing yet") : std::to_string(version_);
+  }
+
+  // What a refusal of this receiver is about.
+  [[nodiscard]] ErrorContext context(std::int64_t sender, Version version,
+                                     std::string field = {}) const {
+    ErrorContext c;
+    c.field = std::move(field);
+    c.rank = rank_;
+    c.peer = sender;
+    c.version = version;
+    c.held = version_;
+    return c;
+  }
+
+  // The version chain, for a publication (or repair) of `kind` and `version` on `base`: true
+  // when it is a re-delivery of the version held (nothing to do); throws protocol_error when it
+  // may not be applied to what this receiver holds.
+  [[nodiscard]] bool chain(MessageKind kind, Version version, Version base,
+                           std::int64_t sender = -1) const {
+    const auto refuse = [&](const std::string& what) {
+      throw protocol_error(who_ + ": " + what, context(sender, version));
+    };
+    if (version == no_version) {
+      refuse("version 2^64 - 1 is reserved (no_version: a receiver that holds nothing)");
+    }
+    if (kind == MessageKind::repair) {
+      if (version_ != version) {
+        refuse("a repair of version " + std::to_string(version) + " but this receiver holds " +
+               held_name());
+      }
+      return false;
+    }
+    if (version_ != no_version && version < version_) {
+      refuse("version " + std::to_string(version) + " is older than the version " +
+             std::to_string(version_) + " this receiver holds; a receiver never moves backwards");
+    }
+    if (version_ != no_version && version == version_) return true;
+    if (kind == MessageKind::delta || kind == MessageKind::noop) {
+      const std::string b = base == no_version ? std::string("none") : std::to_string(base);
+      if (version_ == no_version) {
+        refuse("a " + kind_name(kind) + " on base version " + b +
+               " but this receiver holds nothing yet; it needs a full publication first");
+      }
+      if (base != version_) {
+        refuse("a " + kind_name(kind) + " on base version " + b + " but this receiver holds " +
+               held_name() + "; version " + std::to_string(version) +
+               " is refused: apply the versions in between in order, or a full publication");
+      }
+    }
+    return false;
+  }
+
+  // Every piece inside the live part of an existing tensor; a no-op carries nothing; a full
+  // publication writes every live element exactly once. Memory per piece, nothing per write.
+  void check(const StagedWrites& w) const {
+    if (w.kind == MessageKind::noop && w.size() != 0) {
+      throw protocol_error(who_ + ": a no-op version carries elements",
+                           context(w.pieces.front().source, w.version));
+    }
+    for (const Piece& p : w.pieces) {
+      if (p.count() == 0) continue;
+      const std::string from =
+          p.source >= 0 ? ", message from sender " + std::to_string(p.source) : std::string();
+      if (p.tensor >= numel_.size()) {
+        throw bounds_error(who_ + from + ": tensor id " + std::to_string(p.tensor) +
+                               " does not exist (" + std::to_string(numel_.size()) + " tensors)",
+                           context(p.source, w.version));
+      }
+      const std::uint64_t last = w.last(p);
+      if (last >= numel_[p.tensor]) {
+        throw bounds_error(who_ + from + ": index " + std::to_string(last) + " is outside " +
+                               name_(p.tensor) + " (" + std::to_string(numel_[p.tensor]) +
+                               " elements)",
+                           context(p.source, w.version, name_(p.tensor)));
+      }
+      if (last >= live_end_[p.tensor]) {
+        throw bounds_error(who_ + from + ": index " + std::to_string(last) + " of " +
+                               name_(p.tensor) + " lies in the vocabulary padding (elements " +
+                               std::to_string(live_end_[p.tensor]) + " to " +
+                               std::to_string(numel_[p.tensor]) + "), which no message may write",
+                           context(p.source, w.version, name_(p.tensor)));
+      }
+      if (p.canonical >= digest_.size()) {
+        throw bounds_error(who_ + from + ": element " + std::to_string(w.first(p)) + " of " +
+                               name_(p.tensor) + " holds no canonical element",
+                           context(p.source, w.version));
+      }
+    }
+    if (w.full()) check_cover(w);
+  }
+
+  // Applies checked writes of a publication the chain accepted (or a repair) and commits its
+  // version. `expected`: the digest the tensors must hold afterwards (host tensors only), else
+  // refused with protocol_error, every write undone. Consumes w (its bits).
+  void commit(StagedWrites& w, std::span<const Digest> expected = {}) {
+    if (sink_) {
+      if (w.any_diff()) {
+        throw unsupported(who_ +
+                          ": diff-encoded values need the values held, and these tensors "
+                          "are device memory; publish with the value encoding");
+      }
+      sink_->commit(w);
+      digest_ = sink_->digest();
+      version_ = w.version;
+      return;
+    }
+    if (!expected.empty()) {
+      // One pass over the targets (each a cache miss at low density), keeping what each write
+      // overwrote; a digest that is not the trainer's undoes every write before refusing.
+      const std::vector<Digest> before = digest_;
+      if (w.full()) std::fill(digest_.begin(), digest_.end(), Digest{0});
+      swap_pass(w);
+      for (std::size_t t = 0; t < digest_.size(); ++t) {
+        if (digest_[t] != expected[t]) {
+          undo_pass(w);
+          digest_ = before;
+          throw protocol_error(
+              who_ + ": after version " + std::to_string(w.version) + " tensor " +
+                  canonical_name_(static_cast<std::int64_t>(t)) +
+                  " would differ from the trainer's (digest mismatch): these tensors do not " +
+                  "hold version " + held_name() +
+                  " as dte wrote it (written outside dte?). Every write was undone; apply a " +
+                  "full publication",
+              context(-1, w.version));
+        }
+      }
+    } else {
+      if (w.full()) std::fill(digest_.begin(), digest_.end(), Digest{0});
+      apply_pass(w);
+    }
+    version_ = w.version;
+  }
+
+  // Forgets everything held (the tensors are no longer one version): the next publication
+  // must be full.
+  void reset() noexcept {
+    version_ = no_version;
+    std::fill(digest_.begin(), digest_.end(), Digest{0});
+  }
+
+ private:
+  static std::uint32_t digest_key(std::int64_t global) noexcept {
+    return detail::digest_key(global);
+  }
+  static std::uint16_t resolve(bool diff, std::uint16_t held, std::uint16_t code) noexcept {
+    return diff ? storage::diff_apply(held, code) : code;
+  }
+
+  // Every write applied in order with the digest moved, and what it overwrote left in its place
+  // in w.bits (for undo_pass). Values read in place (wire runs) have nowhere to keep that: a
+  // caller that passes an expected digest stages its values.
+  void swap_pass(StagedWrites& w) {
+    const bool full = w.full();
+    for (Piece& p : w.pieces) {
+      if (p.values != nullptr) {
+        throw invalid_argument(who_ + ": writes read in place cannot be undone (report this)");
+      }
+      std::uint16_t* x = tensors_[p.tensor].data();
+      std::uint16_t* bits = w.bits.data() + p.begin;
+      const std::size_t n = p.count();
+      Digest d = digest_[p.canonical];
+      if (p.dense) {
+        std::uint16_t* cell = x + p.first;
+        for (std::size_t k = 0; k < n; ++k) {
+          const std::uint32_t key = digest_key(p.global + static_cast<std::int64_t>(k));
+          const std::uint16_t old = cell[k];
+          const std::uint16_t now = resolve(p.diff, old, bits[k]);
+          d += detail::digest_mix(key, now) - (full ? 0 : detail::digest_mix(key, old));
+          cell[k] = now;
+          bits[k] = old;
+        }
+      } else {
+        const std::uint32_t* idx = w.index.data() + p.at;
+        const std::uint32_t* key = w.key.data() + p.at;
+        for (std::size_t k = 0; k < n; ++k) {
+          if (k + prefetch_distance < n) __builtin_prefetch(x + idx[k + prefetch_distance], 1);
+          std::uint16_t& cell = x[idx[k]];
+          const std::uint16_t old = cell;
+          const std::uint16_t now = resolve(p.diff, old, bits[k]);
+          d += detail::digest_mix(key[k], now) - (full ? 0 : detail::digest_mix(key[k], old));
+          cell = now;
+          bits[k] = old;
+        }
+      }
+      digest_[p.canonical] = d;
+    }
+  }
+
+  // After swap_pass: every element back to what it held, last write first (an element written
+  // twice ends with its first old value).
+  void undo_pass(const StagedWrites& w) noexcept {
+    for (std::size_t q = w.pieces.size(); q-- > 0;) {
+      const Piece& p = w.pieces[q];
+      std::uint16_t* x = tensors_[p.tensor].data();
+      const std::uint16_t* bits = w.bits.data() + p.begin;
+      for (std::size_t k = p.count(); k-- > 0;)
+        x[p.dense ? p.first + k : w.index[p.at + k]] = bits[k];
+    }
+  }
+
+  // Both at once, in write order (an element written twice is overwritten in turn, its digest
+  // term with it).
+  void apply_pass(const StagedWrites& w) {
+    const bool full = w.full();
+    for (const Piece& p : w.pieces) {
+      std::uint16_t* x = tensors_[p.tensor].data();
+      const std::uint16_t* bits = w.bits.data() + p.begin;
+      const std::size_t n = p.count();
+      Digest d = digest_[p.canonical];
+      if (p.dense) {
+        std::uint16_t* cell = x + p.first;
+        for (std::size_t k = 0; k < n; ++k) {
+          const std::uint32_t key = digest_key(p.global + static_cast<std::int64_t>(k));
+          const std::uint16_t now = resolve(p.diff, cell[k], p.value(w.bits.data(), k));
+          d += detail::digest_mix(key, now) - (full ? 0 : detail::digest_mix(key, cell[k]));
+          cell[k] = now;
+        }
+      } else {
+        const std::uint32_t* idx = w.index.data() + p.at;
+        const std::uint32_t* key = w.key.data() + p.at;
+        for (std::size_t k = 0; k < n; ++k) {
+          if (k + prefetch_distance < n) __builtin_prefetch(x + idx[k + prefetch_distance], 1);
+          std::uint16_t& cell = x[idx[k]];
+          const std::uint16_t now = resolve(p.diff, cell, bits[k]);
+          d += detail::digest_mix(key[k], now) - (full ? 0 : detail::digest_mix(key[k], cell));
+          cell = now;
+        }
+      }
+      digest_[p.canonical] = d;
+    }
+  }
+
+  void check_cover(const StagedWrites& w) const {
+    struct Span {
+      std::uint32_t tensor, first, last;
+      std::int64_t src;
+    };
+    std::vector<Span> spans;
+    spans.reserve(w.pieces.size());
+    for (const Piece& p : w.pieces) {
+      if (p.count() != 0) spans.push_back({p.tensor, w.first(p), w.last(p), p.source});
+    }
+    std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) {
+      return a.tensor != b.tensor ? a.tensor < b.tensor : a.first < b.first;
+    });
+    for (std::size_t i = 1; i < spans.size(); ++i) {
+      const Span& a = spans[i - 1];
+      const Span& b = spans[i];
+      if (a.tensor == b.tensor && b.first <= a.last) {
+        throw protocol_error(
+            who_ + ": the full publication of version " + std::to_string(w.version) +
+                " writes elements " + std::to_string(b.first) + " to " +
+                std::to_string(std::min(a.last, b.last)) + " of " + name_(a.tensor) + " twice" +
+                (a.src >= 0
+                     ? " (senders " + std::to_string(a.src) + " and " + std::to_string(b.src) + ")"
+                     : std::string()),
+            context(b.src, w.version));
+      }
+    }
+    std::uint64_t live = 0;
+    for (std::uint64_t n : live_end_)
+      live += n;
+    if (w.size() != live) {
+      throw protocol_error(who_ + ": the full publication of version " + std::to_string(w.version) +
+                               " writes " + std::to_string(w.size()) + " of the " +
+                               std::to_string(live) + " live elements this receiver holds; refused",
+                           context(-1, w.version));
+    }
+  }
+
+  std::string who_;
+  std::int64_t rank_;
+  std::vector<std::uint64_t> numel_;     // per tensor
+  std::vector<std::uint64_t> live_end_;  // per tensor: elements beyond it are padding
+  std::function<std::string(std::int64_t)> name_, canonical_name_;
+  Version version_ = no_version;
+  ReceiverTensors tensors_;           // host tensors, or
+  std::shared_ptr<TensorSink> sink_;  // device tensors
+  std::vector<Digest> digest_;        // per canonical tensor
+};
+
+}  // namespace receive
+}  // namespace dte

@@ -1,0 +1,213 @@
+// SPDX-License-Identifier: Apache-2.0
+// StagedWrites: what one receiver rank writes for one publication, in its own coordinates, once
+// a decoder has checked it (receive/core.hpp commits it). Every decoder produces this one type,
+// whatever the encoding: the engine's wire v2 messages (engine/receiver.hpp) and canonical
+// chunk-v1 entries routed through the receiver layout (receive/route.hpp).
+//
+// The writes come in pieces. A piece writes into one receiver tensor, every element of it holding
+// an element of one canonical tensor, at strictly increasing indices:
+//   - sparse: per write its index and the digest key of the canonical element it holds
+//     (detail::digest_key), so a commit moves the verified-sync digest without mapping anything
+//     back;
+//   - dense: consecutive indices from `first`, holding consecutive canonical elements from
+//     `global` (a full publication: two bytes per write, no index).
+// Per write its 16-bit value, or for the diff encoding its code against the value held
+// (storage/value_code.hpp). Memory is O(written): nothing model-sized beyond what a full
+// publication writes.
+#pragma once
+
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "dte/engine/digest.hpp"
+#include "dte/engine/message.hpp"
+
+namespace dte::receive {
+
+static_assert(std::endian::native == std::endian::little,
+              "StagedWrites reads little-endian 16-bit values in place");
+
+struct Piece {
+  std::uint32_t tensor = 0;     // receiver tensor
+  std::uint32_t canonical = 0;  // the canonical (HF) tensor its elements hold
+  std::size_t begin = 0;        // its writes' values: bits[begin, end)
+  std::size_t end = 0;
+  bool dense = false;
+  bool diff = false;         // its bits are diff codes against the values held
+  std::size_t at = 0;        // sparse: its indices and keys from index[at], key[at]
+  std::uint32_t first = 0;   // dense: the first write's index (then first + 1, ...)
+  std::int64_t global = 0;   // dense: the canonical global index the first write holds
+  std::int64_t source = -1;  // who sent it, where a publication has several senders
+  // dense only: its values read in place, little-endian, from a received message that outlives
+  // the commit (then bits[begin, end) is empty and `external` counts them)
+  const std::byte* values = nullptr;
+  std::size_t external = 0;
+
+  [[nodiscard]] std::size_t count() const noexcept {
+    return values != nullptr ? external : end - begin;
+  }
+  // Write k's value (or diff code).
+  [[nodiscard]] std::uint16_t value(const std::uint16_t* bits, std::size_t k) const noexcept {
+    if (values == nullptr) return bits[begin + k];
+    std::uint16_t v;
+    std::memcpy(&v, values + 2 * k, 2);
+    return v;
+  }
+};
+
+struct StagedWrites {
+  MessageKind kind = MessageKind::delta;
+  Version version = no_version;
+  Version base = no_version;
+  // What the writes pushed from now on carry: diff codes (true) or values. A publication may
+  // mix both (storage's diff chunks beside value chunks).
+  bool diff = false;
+  std::vector<Piece> pieces;
+  std::vector<std::uint16_t> bits;   // per write
+  std::vector<std::uint32_t> index;  // per sparse write
+  std::vector<std::uint32_t> key;    // per sparse write: detail::digest_key of its element
+
+  std::size_t external = 0;  // writes whose values are read in place (Piece::values)
+
+  [[nodiscard]] std::size_t size() const noexcept { return bits.size() + external; }
+  [[nodiscard]] bool full() const noexcept { return kind == MessageKind::full; }
+  [[nodiscard]] bool any_diff() const noexcept {
+    for (const Piece& p : pieces) {
+      if (p.diff) return true;
+    }
+    return false;
+  }
+
+  [[nodiscard]] std::uint32_t first(const Piece& p) const noexcept {
+    return p.dense ? p.first : index[p.at];
+  }
+  [[nodiscard]] std::uint32_t last(const Piece& p) const noexcept {
+    return p.dense ? p.first + static_cast<std::uint32_t>(p.count() - 1)
+                   : index[p.at + p.count() - 1];
+  }
+
+  void reserve(std::size_t n) {
+    bits.reserve(n);
+    index.reserve(n);
+    key.reserve(n);
+  }
+
+  // One sparse write; it extends the open piece when it continues it (same tensors and sender,
+  // a larger index).
+  void push(std::uint32_t tensor, std::uint32_t canonical, std::uint32_t i, std::uint16_t b,
+            std::uint32_t k, std::int64_t source = -1) {
+    if (pieces.empty() || pieces.back().dense || pieces.back().tensor != tensor ||
+        pieces.back().canonical != canonical || pieces.back().source != source ||
+        pieces.back().diff != diff || index.back() >= i) {
+      Piece p;
+      p.tensor = tensor;
+      p.canonical = canonical;
+      p.begin = p.end = bits.size();
+      p.at = index.size();
+      p.source = source;
+      p.diff = diff;
+      pieces.push_back(p);
+    }
+    index.push_back(i);
+    key.push_back(k);
+    bits.push_back(b);
+    pieces.back().end = bits.size();
+  }
+
+  // n sparse writes at indices idx[k] + shift (strictly increasing), holding the canonical
+  // elements of global index idx[k] + global_shift, with values b[k]; one piece, or the open one
+  // continued.
+  void push_sparse(std::uint32_t tensor, std::uint32_t canonical, const std::uint32_t* idx,
+                   std::int64_t shift, std::int64_t global_shift, const std::uint16_t* b,
+                   std::size_t n, std::int64_t source = -1) {
+    if (n == 0) return;
+    const auto first = static_cast<std::uint32_t>(idx[0] + shift);
+    if (pieces.empty() || pieces.back().dense || pieces.back().tensor != tensor ||
+        pieces.back().canonical != canonical || pieces.back().source != source ||
+        pieces.back().diff != diff || index.back() >= first) {
+      Piece p;
+      p.tensor = tensor;
+      p.canonical = canonical;
+      p.begin = p.end = bits.size();
+      p.at = index.size();
+      p.source = source;
+      p.diff = diff;
+      pieces.push_back(p);
+    }
+    const std::size_t at = index.size();
+    index.resize(at + n);
+    key.resize(at + n);
+    std::uint32_t* i_out = index.data() + at;
+    std::uint32_t* k_out = key.data() + at;
+    for (std::size_t k = 0; k < n; ++k) {
+      i_out[k] = static_cast<std::uint32_t>(idx[k] + shift);
+      k_out[k] = detail::digest_key(idx[k] + global_shift);
+    }
+    bits.insert(bits.end(), b, b + n);
+    pieces.back().end = bits.size();
+  }
+
+  // n consecutive writes from index `first`, holding canonical elements from `global`.
+  void push_run(std::uint32_t tensor, std::uint32_t canonical, std::uint32_t first,
+                std::int64_t global, const std::uint16_t* b, std::size_t n,
+                std::int64_t source = -1) {
+    if (n == 0) return;
+    Piece p;
+    p.tensor = tensor;
+    p.canonical = canonical;
+    p.begin = bits.size();
+    p.dense = true;
+    p.first = first;
+    p.global = global;
+    p.source = source;
+    p.diff = diff;
+    bits.insert(bits.end(), b, b + n);
+    p.end = bits.size();
+    pieces.push_back(p);
+  }
+
+  // The same from n little-endian 16-bit values at b, read in place when the commit runs (a
+  // received wire message, which must outlive it): nothing copied, so a full publication is
+  // applied without a model-sized staging.
+  void push_run(std::uint32_t tensor, std::uint32_t canonical, std::uint32_t first,
+                std::int64_t global, const std::byte* b, std::size_t n, std::int64_t source) {
+    if (n == 0) return;
+    Piece p;
+    p.tensor = tensor;
+    p.canonical = canonical;
+    p.begin = p.end = bits.size();
+    p.dense = true;
+    p.first = first;
+    p.global = global;
+    p.source = source;
+    p.diff = diff;
+    p.values = b;
+    p.external = n;
+    external += n;
+    pieces.push_back(p);
+  }
+
+  // f(tensor, index, bits) for every write, in order.
+  template <class F>
+  void for_each(F&& f) const {
+    for (const Piece& p : pieces) {
+      for (std::size_t k = 0; k < p.count(); ++k) {
+        f(p.tensor, p.dense ? p.first + static_cast<std::uint32_t>(k) : index[p.at + k],
+          p.value(bits.data(), k));
+      }
+    }
+  }
+
+  void clear() {
+    external = 0;
+    pieces.clear();
+    bits.clear();
+    index.clear();
+    key.clear();
+  }
+};
+
+}  // namespace dte::receive
