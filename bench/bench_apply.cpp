@@ -25,6 +25,8 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "dte/detect/detect.hpp"
@@ -207,7 +209,11 @@ int main(int argc, char** argv) {
     hf_sizes.push_back(hf[t].numel());
   layout::InferTopology topo;
   topo.tp = 2;
-  const layout::ServingLayout shard_layout(hf, topo);
+  // (the serving layout's type as ShardReceiver names it: the same source builds on revisions
+  // that called it otherwise)
+  using Layout =
+      std::remove_cvref_t<decltype(std::declval<const publication::ShardReceiver&>().layout())>;
+  const Layout shard_layout(hf, topo);
   std::vector<std::int64_t> shard_sizes;
   for (std::int64_t k = 0; k < shard_layout.size(); ++k)
     shard_sizes.push_back(shard_layout[k].numel);

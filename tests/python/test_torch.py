@@ -289,7 +289,7 @@ def test_refused_messages_leave_the_receiver_untouched():
 
     untouched(v2, dte.ProtocolError, "full publication first")
     assert rx.apply(v1)["version"] == 1
-    untouched(v3, dte.ProtocolError, "applies to version 2")  # a message for another base
+    untouched(v3, dte.ProtocolError, "on base version 2 but this receiver holds 1")  # a message for another base
     corrupt = bytearray(v2)
     corrupt[-10] ^= 0x40
     untouched(bytes(corrupt), dte.FormatError, "checksum|zstd|corrupt")
