@@ -29,69 +29,14 @@
 #include "dte/publication/receiver.hpp"
 #include "dte/publication/storage.hpp"
 #include "dte/sim/dense_check.hpp"
+#include "flat_adamw.hpp"
 
 using namespace dte;
 using publication::Bytes;
 
 namespace {
 
-// torch.optim.AdamW's arithmetic on one flat buffer, no decay on 1-D tensors.
-struct Trainer {
-  layout::HfModel hf;
-  std::vector<float> theta, m, v, grad;
-  double lr = 2e-4, wd = 0.1;
-  std::int64_t steps = 0;
-  std::mt19937 rng{7};
-
-  explicit Trainer(const layout::ModelSpec& spec)
-      : hf(spec),
-        theta(static_cast<std::size_t>(hf.total())),
-        m(theta.size(), 0.0f),
-        v(theta.size(), 0.0f),
-        grad(theta.size()) {
-    std::normal_distribution<float> init(0.0f, 0.05f);
-    for (float& x : theta)
-      x = init(rng);
-  }
-
-  void step() {
-    std::normal_distribution<float> noise(0.0f, 1e-2f);
-    for (float& g : grad)
-      g = noise(rng);
-    ++steps;
-    const double bc1 = 1 - std::pow(0.9, steps), bc2 = 1 - std::pow(0.999, steps);
-    for (std::int64_t t = 0; t < hf.size(); ++t) {
-      const auto& x = hf[t];
-      const auto decay = static_cast<float>(1 - lr * (x.cols == 0 ? 0.0 : wd));
-      for (std::int64_t i = x.base; i < x.base + x.numel(); ++i) {
-        const auto k = static_cast<std::size_t>(i);
-        theta[k] *= decay;
-        m[k] = 0.9f * m[k] + 0.1f * grad[k];
-        v[k] = 0.999f * v[k] + 0.001f * grad[k] * grad[k];
-        const float denom = std::sqrt(v[k]) / static_cast<float>(std::sqrt(bc2)) + 1e-8f;
-        theta[k] -= static_cast<float>(lr / bc1) * (m[k] / denom);
-      }
-    }
-  }
-
-  [[nodiscard]] publication::FlatTrainer<AdamWInverse> flat() const {
-    publication::FlatTrainer<AdamWInverse> f;
-    f.theta = theta;
-    for (std::int64_t t = 0; t < hf.size(); ++t) {
-      const auto& x = hf[t];
-      f.hyper.push_back({.lr = lr,
-                         .weight_decay = x.cols == 0 ? 0.0 : wd,
-                         .step = steps,
-                         .decay_form = DecayForm::multiply});
-      const auto part = [&](const std::vector<float>& a) {
-        return std::span<const float>(a).subspan(static_cast<std::size_t>(x.base),
-                                                 static_cast<std::size_t>(x.numel()));
-      };
-      f.state.push_back({part(m), part(v)});
-    }
-    return f;
-  }
-};
+using Trainer = testing::FlatAdamW;
 
 using Pub = publication::Publisher<AdamWInverse, BF16Detect>;
 

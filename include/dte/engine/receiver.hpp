@@ -96,9 +96,7 @@ class Receiver {
   [[nodiscard]] std::size_t held_bytes() const noexcept {
     return sizeof(*this) + core_.held_bytes();
   }
-  [[nodiscard]] const layout::ServingLayout& layout() const noexcept { return *layout_; }
   [[nodiscard]] const receive::Core& core() const noexcept { return core_; }
-  [[nodiscard]] std::int64_t tp_rank() const noexcept { return ts_; }
 
   // Applies one publication (or repair) of `version`: all messages addressed to this rank, in
   // any sender order, decoded into this rank's staged writes and committed by the core.

@@ -133,10 +133,6 @@ class Core {
   [[nodiscard]] Version version() const noexcept { return version_; }
   [[nodiscard]] const std::vector<Digest>& digest() const noexcept { return digest_; }
   [[nodiscard]] bool has_sink() const noexcept { return sink_ != nullptr; }
-  [[nodiscard]] std::size_t tensors() const noexcept { return numel_.size(); }
-  [[nodiscard]] std::uint64_t numel(std::size_t k) const noexcept { return numel_[k]; }
-  [[nodiscard]] std::uint64_t live_end(std::size_t k) const noexcept { return live_end_[k]; }
-  [[nodiscard]] std::string name(std::int64_t k) const { return name_(k); }
   [[nodiscard]] std::span<const std::uint16_t> tensor(std::int64_t id) const {
     if (sink_) {
       throw invalid_argument(who_ +
@@ -258,12 +254,14 @@ class Core {
       version_ = w.version;
       return;
     }
-    if (!expected.empty()) {
+    const std::vector<Digest> before = expected.empty() ? std::vector<Digest>{} : digest_;
+    if (w.full()) std::fill(digest_.begin(), digest_.end(), Digest{0});
+    if (expected.empty()) {
+      apply_pass<false>(w);
+    } else {
       // One pass over the targets (each a cache miss at low density), keeping what each write
       // overwrote; a digest that is not the trainer's undoes every write before refusing.
-      const std::vector<Digest> before = digest_;
-      if (w.full()) std::fill(digest_.begin(), digest_.end(), Digest{0});
-      swap_pass(w);
+      apply_pass<true>(w);
       for (std::size_t t = 0; t < digest_.size(); ++t) {
         if (digest_[t] != expected[t]) {
           undo_pass(w);
@@ -278,70 +276,58 @@ class Core {
               context(-1, w.version));
         }
       }
-    } else {
-      if (w.full()) std::fill(digest_.begin(), digest_.end(), Digest{0});
-      apply_pass(w);
     }
     version_ = w.version;
   }
 
-  // Forgets everything held (the tensors are no longer one version): the next publication
-  // must be full.
-  void reset() noexcept {
-    version_ = no_version;
-    std::fill(digest_.begin(), digest_.end(), Digest{0});
-  }
-
  private:
-  static std::uint32_t digest_key(std::int64_t global) noexcept {
-    return detail::digest_key(global);
-  }
   static std::uint16_t resolve(bool diff, std::uint16_t held, std::uint16_t code) noexcept {
     return diff ? storage::diff_apply(held, code) : code;
   }
 
-  // Every write applied in order with the digest moved, and what it overwrote left in its place
-  // in w.bits (for undo_pass). Values read in place (wire runs) have nowhere to keep that: a
-  // caller that passes an expected digest stages its values.
-  void swap_pass(StagedWrites& w) {
+  // Every write applied in write order with the digest moved (an element written twice is
+  // overwritten in turn, its digest term with it). keep_old: what each write overwrote is left
+  // in its place in w.bits, for undo_pass; values read in place (wire runs) have nowhere to keep
+  // it, so a caller that passes an expected digest stages its values.
+  template <bool keep_old>
+  void apply_pass(StagedWrites& w) {
     const bool full = w.full();
-    for (Piece& p : w.pieces) {
-      if (p.values != nullptr) {
+    for (const Piece& p : w.pieces) {
+      if (keep_old && p.values != nullptr) {
         throw invalid_argument(who_ + ": writes read in place cannot be undone (report this)");
       }
       std::uint16_t* x = tensors_[p.tensor].data();
       std::uint16_t* bits = w.bits.data() + p.begin;
       const std::size_t n = p.count();
       Digest d = digest_[p.canonical];
+      const auto write = [&](std::uint16_t& cell, std::uint32_t key, std::uint16_t code,
+                             std::size_t k) {
+        const std::uint16_t old = cell;
+        const std::uint16_t now = resolve(p.diff, old, code);
+        d += detail::digest_mix(key, now) - (full ? 0 : detail::digest_mix(key, old));
+        cell = now;
+        if constexpr (keep_old) bits[k] = old;
+      };
       if (p.dense) {
         std::uint16_t* cell = x + p.first;
         for (std::size_t k = 0; k < n; ++k) {
-          const std::uint32_t key = digest_key(p.global + static_cast<std::int64_t>(k));
-          const std::uint16_t old = cell[k];
-          const std::uint16_t now = resolve(p.diff, old, bits[k]);
-          d += detail::digest_mix(key, now) - (full ? 0 : detail::digest_mix(key, old));
-          cell[k] = now;
-          bits[k] = old;
+          write(cell[k], detail::digest_key(p.global + static_cast<std::int64_t>(k)),
+                p.value(w.bits.data(), k), k);
         }
       } else {
         const std::uint32_t* idx = w.index.data() + p.at;
         const std::uint32_t* key = w.key.data() + p.at;
         for (std::size_t k = 0; k < n; ++k) {
           if (k + prefetch_distance < n) __builtin_prefetch(x + idx[k + prefetch_distance], 1);
-          std::uint16_t& cell = x[idx[k]];
-          const std::uint16_t old = cell;
-          const std::uint16_t now = resolve(p.diff, old, bits[k]);
-          d += detail::digest_mix(key[k], now) - (full ? 0 : detail::digest_mix(key[k], old));
-          cell = now;
-          bits[k] = old;
+          write(x[idx[k]], key[k], bits[k], k);
         }
       }
       digest_[p.canonical] = d;
     }
   }
 
-  // After swap_pass: every element back to what it held, last write first (an element written
-  // twice ends with its first old value).
+  // After apply_pass<true>: every element back to what it held, last write first (an element
+  // written twice ends with its first old value).
   void undo_pass(const StagedWrites& w) noexcept {
     for (std::size_t q = w.pieces.size(); q-- > 0;) {
       const Piece& p = w.pieces[q];
@@ -349,38 +335,6 @@ class Core {
       const std::uint16_t* bits = w.bits.data() + p.begin;
       for (std::size_t k = p.count(); k-- > 0;)
         x[p.dense ? p.first + k : w.index[p.at + k]] = bits[k];
-    }
-  }
-
-  // Both at once, in write order (an element written twice is overwritten in turn, its digest
-  // term with it).
-  void apply_pass(const StagedWrites& w) {
-    const bool full = w.full();
-    for (const Piece& p : w.pieces) {
-      std::uint16_t* x = tensors_[p.tensor].data();
-      const std::uint16_t* bits = w.bits.data() + p.begin;
-      const std::size_t n = p.count();
-      Digest d = digest_[p.canonical];
-      if (p.dense) {
-        std::uint16_t* cell = x + p.first;
-        for (std::size_t k = 0; k < n; ++k) {
-          const std::uint32_t key = digest_key(p.global + static_cast<std::int64_t>(k));
-          const std::uint16_t now = resolve(p.diff, cell[k], p.value(w.bits.data(), k));
-          d += detail::digest_mix(key, now) - (full ? 0 : detail::digest_mix(key, cell[k]));
-          cell[k] = now;
-        }
-      } else {
-        const std::uint32_t* idx = w.index.data() + p.at;
-        const std::uint32_t* key = w.key.data() + p.at;
-        for (std::size_t k = 0; k < n; ++k) {
-          if (k + prefetch_distance < n) __builtin_prefetch(x + idx[k + prefetch_distance], 1);
-          std::uint16_t& cell = x[idx[k]];
-          const std::uint16_t now = resolve(p.diff, cell, bits[k]);
-          d += detail::digest_mix(key[k], now) - (full ? 0 : detail::digest_mix(key[k], cell));
-          cell = now;
-        }
-      }
-      digest_[p.canonical] = d;
     }
   }
 

@@ -99,18 +99,7 @@ struct StagedWrites {
   // a larger index).
   void push(std::uint32_t tensor, std::uint32_t canonical, std::uint32_t i, std::uint16_t b,
             std::uint32_t k, std::int64_t source = -1) {
-    if (pieces.empty() || pieces.back().dense || pieces.back().tensor != tensor ||
-        pieces.back().canonical != canonical || pieces.back().source != source ||
-        pieces.back().diff != diff || index.back() >= i) {
-      Piece p;
-      p.tensor = tensor;
-      p.canonical = canonical;
-      p.begin = p.end = bits.size();
-      p.at = index.size();
-      p.source = source;
-      p.diff = diff;
-      pieces.push_back(p);
-    }
+    open_sparse(tensor, canonical, i, source);
     index.push_back(i);
     key.push_back(k);
     bits.push_back(b);
@@ -125,18 +114,7 @@ struct StagedWrites {
                    std::size_t n, std::int64_t source = -1) {
     if (n == 0) return;
     const auto first = static_cast<std::uint32_t>(idx[0] + shift);
-    if (pieces.empty() || pieces.back().dense || pieces.back().tensor != tensor ||
-        pieces.back().canonical != canonical || pieces.back().source != source ||
-        pieces.back().diff != diff || index.back() >= first) {
-      Piece p;
-      p.tensor = tensor;
-      p.canonical = canonical;
-      p.begin = p.end = bits.size();
-      p.at = index.size();
-      p.source = source;
-      p.diff = diff;
-      pieces.push_back(p);
-    }
+    open_sparse(tensor, canonical, first, source);
     const std::size_t at = index.size();
     index.resize(at + n);
     key.resize(at + n);
@@ -155,18 +133,9 @@ struct StagedWrites {
                 std::int64_t global, const std::uint16_t* b, std::size_t n,
                 std::int64_t source = -1) {
     if (n == 0) return;
-    Piece p;
-    p.tensor = tensor;
-    p.canonical = canonical;
-    p.begin = bits.size();
-    p.dense = true;
-    p.first = first;
-    p.global = global;
-    p.source = source;
-    p.diff = diff;
+    Piece& p = open_dense(tensor, canonical, first, global, source);
     bits.insert(bits.end(), b, b + n);
     p.end = bits.size();
-    pieces.push_back(p);
   }
 
   // The same from n little-endian 16-bit values at b, read in place when the commit runs (a
@@ -175,19 +144,10 @@ struct StagedWrites {
   void push_run(std::uint32_t tensor, std::uint32_t canonical, std::uint32_t first,
                 std::int64_t global, const std::byte* b, std::size_t n, std::int64_t source) {
     if (n == 0) return;
-    Piece p;
-    p.tensor = tensor;
-    p.canonical = canonical;
-    p.begin = p.end = bits.size();
-    p.dense = true;
-    p.first = first;
-    p.global = global;
-    p.source = source;
-    p.diff = diff;
+    Piece& p = open_dense(tensor, canonical, first, global, source);
     p.values = b;
     p.external = n;
     external += n;
-    pieces.push_back(p);
   }
 
   // f(tensor, index, bits) for every write, in order.
@@ -207,6 +167,41 @@ struct StagedWrites {
     bits.clear();
     index.clear();
     key.clear();
+  }
+
+ private:
+  // A new sparse piece unless the open one continues with this write (same tensors, sender and
+  // encoding, a larger index).
+  void open_sparse(std::uint32_t tensor, std::uint32_t canonical, std::uint32_t i,
+                   std::int64_t source) {
+    if (!pieces.empty() && !pieces.back().dense && pieces.back().tensor == tensor &&
+        pieces.back().canonical == canonical && pieces.back().source == source &&
+        pieces.back().diff == diff && index.back() < i) {
+      return;
+    }
+    Piece p;
+    p.tensor = tensor;
+    p.canonical = canonical;
+    p.begin = p.end = bits.size();
+    p.at = index.size();
+    p.source = source;
+    p.diff = diff;
+    pieces.push_back(p);
+  }
+
+  // A new dense piece from index `first`, holding canonical elements from `global`, empty.
+  Piece& open_dense(std::uint32_t tensor, std::uint32_t canonical, std::uint32_t first,
+                    std::int64_t global, std::int64_t source) {
+    Piece p;
+    p.tensor = tensor;
+    p.canonical = canonical;
+    p.begin = p.end = bits.size();
+    p.dense = true;
+    p.first = first;
+    p.global = global;
+    p.source = source;
+    p.diff = diff;
+    return pieces.emplace_back(p);
   }
 };
 
