@@ -29,7 +29,7 @@
 namespace {
 
 using namespace dte;
-using Sender = SenderRank<AdamWInverse, BF16Detect, layout::TransferPlan, HostExecutor>;
+using Sender = HostSenderRank<AdamWInverse, BF16Detect, layout::TransferPlan, HostExecutor>;
 
 struct World {
   layout::ModelSpec spec = [] {
@@ -82,16 +82,17 @@ void BM_detect(benchmark::State& state) {
   const sim::ControlledShard& s = shard(fraction_of(state));
   const auto dense = layout::BufferKind::dense;
   const auto theta = s.theta(0, dense);
-  w.sender.bind(s, dense);
+  w.sender.frame().bind(s, dense);
   // The sender's detect stage tile by tile, one tile buffer per thread (as the engine keeps).
-  std::vector<Sender::Tile> tiles(static_cast<std::size_t>(w.exec.threads()));
-  std::vector<std::uint64_t> per(w.sender.tiles(dense), 0);
+  std::vector<Sender::Frame::Tile> tiles(static_cast<std::size_t>(w.exec.threads()));
+  std::vector<std::uint64_t> per(w.sender.frame().tiles(dense), 0);
   std::uint64_t flagged = 0;
   std::atomic<bool> refused{false};
   for (auto _ : state) {
     w.exec.for_each(per.size(), [&](std::size_t t, int worker) {
-      Sender::Tile& x = tiles[static_cast<std::size_t>(worker)];
-      if (!w.sender.detect_tile(theta, dense, t, pipeline::ScanMode::detect, x)) refused = true;
+      Sender::Frame::Tile& x = tiles[static_cast<std::size_t>(worker)];
+      if (!w.sender.frame().detect_tile(theta, dense, t, pipeline::ScanMode::detect, x))
+        refused = true;
       per[t] = x.counts.flagged;
     });
     for (std::uint64_t f : per)

@@ -31,7 +31,7 @@ void BM_plan_build(benchmark::State& state) {
   const ServingLayout recv(hf, parse_infer_topology(c.infer));
   std::int64_t rank = 0;
   for (auto _ : state) {
-    TransferPlan plan(hf, t, recv, rank);
+    TransferPlan plan(hf, t, rank);
     benchmark::DoNotOptimize(plan.segments(BufferKind::dense).data());
     rank = (rank + 1) % t.world();
   }
@@ -43,7 +43,7 @@ void BM_route(benchmark::State& state) {
   const HfModel hf(model_preset(c.model));
   const TrainTopology t = parse_train_topology(c.train);
   const ServingLayout recv(hf, parse_infer_topology(c.infer));
-  const TransferPlan plan(hf, t, recv, 0);
+  const TransferPlan plan(hf, t, 0);
   const BufferKind b = hf.spec().moe() ? BufferKind::expert : BufferKind::dense;
   std::mt19937_64 rng(1);
   std::vector<std::int64_t> offsets(1 << 16);
@@ -52,7 +52,7 @@ void BM_route(benchmark::State& state) {
   std::int64_t sum = 0;
   for (auto _ : state) {
     for (std::int64_t o : offsets) {
-      plan.route(b, o, [&](const RouteTarget& rt) { sum += rt.index; });
+      route_canonical(recv, plan.canonical(b, o), [&](const RouteTarget& rt) { sum += rt.index; });
     }
   }
   benchmark::DoNotOptimize(sum);

@@ -207,7 +207,7 @@ int main(int argc, char** argv) {
     for (const Config& cfg_row : configs) {
       const std::filesystem::path root = base / (std::to_string(lr) + "-" + cfg_row.name);
       std::filesystem::remove_all(root);
-      sim::SyntheticTrainer t(hf, train, recv, {.lr = lr, .warmup_steps = 0});
+      sim::SyntheticTrainer t(hf, train, {.lr = lr, .warmup_steps = 0});
       const sim::AdamWAccess access{&t};
       storage::PublisherConfig cfg;
       cfg.zstd_level = cfg_row.level;

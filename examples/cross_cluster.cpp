@@ -35,7 +35,7 @@ int main(int argc, char** argv) {
   // ---- The trainer cluster: its writer ranks (here one) form a world that only agrees.
   const layout::TrainTopology train = layout::parse_train_topology("tp=1");
   const layout::ServingLayout infer(model, layout::parse_infer_topology("tp=2"));
-  sim::SyntheticTrainer trainer(model, train, infer, {.lr = 1e-6, .warmup_steps = 0});
+  sim::SyntheticTrainer trainer(model, train, {.lr = 1e-6, .warmup_steps = 0});
   const sim::AdamWAccess access{&trainer};
   LoopbackWorld writers(1, 0);
   storage::Publisher<AdamWInverse, BF16Detect, MegatronToHF, LoopbackTwoRound> publisher(

@@ -26,7 +26,7 @@ int main(int argc, char** argv) {
     const layout::TrainTopology train = layout::parse_train_topology("tp=2,dp=2");
     const layout::ServingLayout receivers(model, layout::parse_infer_topology("tp=2"));
     // Every process builds the trainer here for simplicity; only trainer ranks read it.
-    sim::SyntheticTrainer trainer(model, train, receivers, {.lr = 1e-5, .warmup_steps = 2});
+    sim::SyntheticTrainer trainer(model, train, {.lr = 1e-5, .warmup_steps = 2});
     const sim::AdamWAccess access{&trainer};
     MpiTwoRoundConfig config;
     config.deadline = std::chrono::seconds(20);

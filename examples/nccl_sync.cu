@@ -63,7 +63,7 @@ int main(int argc, char** argv) {
     const layout::ServingLayout receivers(
         model, layout::parse_infer_topology("tp=" + std::to_string(receivers_n)));
     // Every process builds the trainer here for simplicity; only trainer ranks read it.
-    sim::SyntheticTrainer trainer(model, train, receivers, {.lr = 1e-5, .warmup_steps = 2});
+    sim::SyntheticTrainer trainer(model, train, {.lr = 1e-5, .warmup_steps = 2});
     // This rank's shards in device memory (receivers never read them).
     sim::DeviceAdamWAccess access(trainer, me < senders ? me : 0);
     NcclTwoRoundConfig config;

@@ -7,7 +7,7 @@
 
 #include "dte/detect/detect.hpp"
 #include "dte/engine/engine.hpp"
-#include "dte/io/report_json.hpp"
+#include "dte/engine/report_json.hpp"
 #include "dte/optim/adam.hpp"
 #include "dte/sim/access.hpp"
 #include "dte/sim/cluster.hpp"
@@ -20,7 +20,7 @@ int main() {
   const layout::TrainTopology train = layout::parse_train_topology("tp=2,dp=2");
   const layout::ServingLayout receivers(model, layout::parse_infer_topology("tp=4,replicas=2"));
 
-  sim::SyntheticTrainer trainer(model, train, receivers, {.lr = 1e-6, .warmup_steps = 2});
+  sim::SyntheticTrainer trainer(model, train, {.lr = 1e-6, .warmup_steps = 2});
   const sim::AdamWAccess access{&trainer};  // the FP32 shards and an AdamWInverse per segment
   // One DeltaEngine per rank: 4 trainer ranks and 8 receiver ranks, each a thread of this
   // process talking through a LoopbackWorld; the cluster owns the receivers' BF16 tensors.

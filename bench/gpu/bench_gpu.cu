@@ -238,7 +238,7 @@ Json end_to_end(int deltas) {
   const layout::HfModel hf(layout::model_preset("small-qwen3"));
   const auto train = layout::parse_train_topology("tp=1");
   const layout::ServingLayout recv(hf, layout::parse_infer_topology("tp=1"));
-  sim::SyntheticTrainer trainer(hf, train, recv, {.lr = 1e-5});
+  sim::SyntheticTrainer trainer(hf, train, {.lr = 1e-5});
   const dte::exec::Stream stream;
   const exec::Cuda e(stream);
   dev::SenderPipeline<AdamWInverse, BF16Detect> sender(hf, train, recv, 0, false, e);

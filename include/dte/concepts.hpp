@@ -11,9 +11,9 @@
 #include <type_traits>
 #include <vector>
 
+#include "dte/core/payload.hpp"
 #include "dte/layout/segment.hpp"
 #include "dte/reconstruction.hpp"
-#include "dte/transport/payload.hpp"
 
 namespace dte {
 
@@ -107,8 +107,8 @@ concept trainer_access = optimizer_inverse<Inverse> &&
 // Carries the pipeline's data-parallel stages (exec/host.hpp; exec/cuda.cuh, whose device
 // stages are pipeline/device.cuh and whose sender is engine/device_sender.cuh):
 //   for_each(n, f(i, worker)), for_each_ordered(n, par(i, worker), ser(i, worker)) (ser in
-//   increasing i), exclusive_scan(in, out) -> total, and detect<Detect>(kernel, piece, ...): the
-//   detect stage's per-element work, the executor's fastest form of the shared rules.
+//   increasing i), exclusive_scan(in, out) -> total. Primitives only: the stages themselves
+//   (pipeline/) choose their fastest form of the shared rules.
 namespace detail {
 // Stands for a stage's per-item callable in the executor concept (a lambda in a requires
 // expression is valid C++20, but nvcc's front end rejects it).

@@ -200,7 +200,7 @@ void check_plan(const Plan& plan, const dte::layout::HfModel& hf,
   }
   // Every canonical element has exactly one sending shard offset across the plans (checked by
   // the caller over every rank) — here: a sending offset maps inside its canonical tensor.
-  const dte::pipeline::RunTable runs(plan, hf, recv);
+  const dte::pipeline::RunTable runs(plan, hf, &recv);
   for (dte::layout::BufferKind b :
        {dte::layout::BufferKind::dense, dte::layout::BufferKind::expert}) {
     for (const dte::pipeline::Run& r : runs.runs(b)) {
@@ -226,9 +226,9 @@ TEST_CASE(
         std::string(model) == "tiny-qwen3" ? "tp=2,pp=2,dp=2" : "tp=2,ep=2,dp=2");
     std::vector<int> sent(static_cast<std::size_t>(hf.total()), 0);
     for (std::int64_t rank = 0; rank < train.world(); ++rank) {
-      const TransferPlan plan(hf, train, recv, rank);
+      const TransferPlan plan(hf, train, rank);
       check_plan(plan, hf, recv);
-      const dte::pipeline::RunTable runs(plan, hf, recv);
+      const dte::pipeline::RunTable runs(plan, hf, &recv);
       for (BufferKind b : {BufferKind::dense, BufferKind::expert}) {
         for (const dte::pipeline::Run& r : runs.runs(b)) {
           if (r.tensor < 0 || !r.sender) continue;
@@ -242,7 +242,7 @@ TEST_CASE(
   }
   const HfModel hf(model_preset("tiny-qwen3"));
   const ServingLayout recv(hf, parse_infer_topology("tp=2"));
-  check_plan(IdentityPlan(hf, TrainTopology{}, recv, 0), hf, recv);
+  check_plan(IdentityPlan(hf, TrainTopology{}, 0), hf, recv);
 }
 
 TEST_CASE("transport conformance: LoopbackTwoRound") {

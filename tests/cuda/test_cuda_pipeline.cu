@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // The pipeline on the CUDA executor against the host pipeline, bit for bit: the same trainer
-// state through pipeline/device.cuh (detect, compact, route, bucket) and through SenderRank's
+// state through pipeline/device.cuh (detect, compact, route, bucket) and through SenderFrame's
 // host stages must give the same send sets, digests, counts and per-receiver entries in the same
 // order; every mode (detect, mark + mask for K > 1, all), a refused element, a shard above 2^31
 // elements, and the receiver's device apply (the golden invariant: after a full publication
@@ -34,6 +34,7 @@
 #include "dte/optim/adam.hpp"
 #include "dte/optim/snapshot.hpp"
 #include "dte/pipeline/device.cuh"
+#include "dte/pipeline/frame.hpp"
 #include "dte/sim/access.hpp"
 #include "dte/sim/device_access.cuh"
 #include "dte/sim/synthetic_trainer.hpp"
@@ -59,10 +60,11 @@ struct StageResult {
   std::vector<std::vector<Entry>> to;  // per receiver, in order
 };
 
-using HostSender =
-    dte::SenderRank<dte::AdamWInverse, dte::BF16Detect, dte::layout::TransferPlan, dte::exec::Host>;
+using HostSender = dte::SenderFrame<dte::AdamWInverse, dte::BF16Detect, dte::layout::TransferPlan,
+                                    dte::exec::Host>;
 
-// The host stages, tile by tile in order (what SenderRank::scan runs, without the encoder).
+// The host stages, tile by tile in order (what SenderFrame::scan runs with the routing sink,
+// without the encoder).
 StageResult host_stages(HostSender& s, const dte::sim::AdamWAccess& a, ScanMode mode,
                         std::size_t tensors, std::size_t receivers) {
   StageResult r;
@@ -169,7 +171,7 @@ TEST_CASE("device stages == host stages, every mode, every rank") {
     const dte::layout::HfModel hf(dte::layout::model_preset(c.model));
     const auto train = dte::layout::parse_train_topology(c.train);
     const dte::layout::ServingLayout recv(hf, dte::layout::parse_infer_topology(c.infer));
-    dte::sim::SyntheticTrainer trainer(hf, train, recv, {.seed = 7, .lr = 3e-4});
+    dte::sim::SyntheticTrainer trainer(hf, train, {.seed = 7, .lr = 3e-4});
     const dte::sim::AdamWAccess host_access{&trainer};
     const auto tensors = static_cast<std::size_t>(hf.size());
     const auto receivers = static_cast<std::size_t>(recv.topology().ranks());
@@ -177,7 +179,7 @@ TEST_CASE("device stages == host stages, every mode, every rank") {
     const dte::exec::Cuda e(stream);
     for (std::int64_t rank = 0; rank < train.world(); ++rank) {
       INFO("trainer rank " << rank);
-      HostSender host(hf, train, recv, rank, true, dte::exec::Host(1));
+      HostSender host(hf, train, &recv, rank, true, dte::exec::Host(1));
       dev::SenderPipeline<dte::AdamWInverse, dte::BF16Detect> device(hf, train, recv, rank, true,
                                                                      e);
       DeviceTrainer dt(trainer, rank, e);
@@ -201,12 +203,12 @@ TEST_CASE("a refused element is refused on the device too, naming the host's seg
   const dte::layout::HfModel hf(dte::layout::model_preset("tiny-qwen3"));
   const auto train = dte::layout::parse_train_topology("tp=2,dp=2");
   const dte::layout::ServingLayout recv(hf, dte::layout::parse_infer_topology("tp=2"));
-  dte::sim::SyntheticTrainer trainer(hf, train, recv, {.lr = 3e-4});
+  dte::sim::SyntheticTrainer trainer(hf, train, {.lr = 3e-4});
   trainer.step();
   const std::int64_t rank = 1;
   auto v = trainer.exp_avg_sq(rank, BufferKind::dense);
   v[v.size() / 2] = -1.0f;  // a negative second moment
-  HostSender host(hf, train, recv, rank, false, dte::exec::Host(1));
+  HostSender host(hf, train, &recv, rank, false, dte::exec::Host(1));
   const dte::sim::AdamWAccess host_access{&trainer};
   host.bind(host_access, BufferKind::dense);
   HostSender::Tile tile;
@@ -356,7 +358,7 @@ TEST_CASE("device apply: a full publication then deltas leave every receiver den
     const dte::layout::HfModel hf(dte::layout::model_preset(c.model));
     const auto train = dte::layout::parse_train_topology(c.train);
     const dte::layout::ServingLayout recv(hf, dte::layout::parse_infer_topology(c.infer));
-    dte::sim::SyntheticTrainer trainer(hf, train, recv, {.seed = 3, .lr = 3e-4});
+    dte::sim::SyntheticTrainer trainer(hf, train, {.seed = 3, .lr = 3e-4});
     const auto tensors = static_cast<std::size_t>(hf.size());
     const auto receivers = static_cast<std::size_t>(recv.topology().ranks());
     Stream stream;
@@ -427,7 +429,7 @@ TEST_CASE("DeltaEngine on exec::Cuda (device state, device receivers) == the hos
   const layout::HfModel hf(layout::model_preset("tiny-qwen3-moe"));
   const auto train = layout::parse_train_topology("tp=2,ep=2,dp=2");
   const layout::ServingLayout recv(hf, layout::parse_infer_topology("tp=2,replicas=2"));
-  sim::SyntheticTrainer trainer(hf, train, recv, {.seed = 11, .lr = 2e-4});
+  sim::SyntheticTrainer trainer(hf, train, {.seed = 11, .lr = 2e-4});
   const int senders = static_cast<int>(train.world());
   const int receivers = static_cast<int>(recv.topology().ranks());
   const int world = senders + receivers;

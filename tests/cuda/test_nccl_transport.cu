@@ -145,7 +145,7 @@ void engine_over_nccl() {
       layout::parse_train_topology("tp=1,dp=" + std::to_string(w.senders));
   const layout::ServingLayout receivers(
       model, layout::parse_infer_topology("tp=" + std::to_string(w.receivers)));
-  sim::SyntheticTrainer trainer(model, train, receivers, {.lr = 1e-4});
+  sim::SyntheticTrainer trainer(model, train, {.lr = 1e-4});
   std::mutex checks;
   // The trainer steps between publications on one thread: every rank reaches the barrier.
   std::atomic<int> arrived{0};

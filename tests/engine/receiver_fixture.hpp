@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "dte/engine/digest.hpp"
+#include "dte/core/digest.hpp"
 #include "dte/engine/receiver.hpp"
 #include "dte/engine/wire.hpp"
 #include "dte/layout/hf.hpp"

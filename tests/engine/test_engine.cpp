@@ -92,7 +92,7 @@ GoldenRun golden_run(const Pair& pair, std::int64_t K, int steps, bool flush) {
   const HfModel hf(model_preset(pair.model));
   const TrainTopology train = parse_train_topology(pair.train);
   const ServingLayout recv(hf, parse_infer_topology(pair.infer));
-  sim::SyntheticTrainer trainer(hf, train, recv, lively());
+  sim::SyntheticTrainer trainer(hf, train, lively());
   const sim::AdamWAccess access{&trainer};
   Cluster engine(hf, train, recv, {.publish_every = K});
   CHECK(engine.publish_full(access).verified);
@@ -162,7 +162,7 @@ TEST_CASE("a tied model: each embedding change reaches a receiver once, not twic
   const HfModel hf(model_preset("tiny-qwen3-tied"));
   const TrainTopology train = parse_train_topology("tp=2,pp=2,dp=2");
   const ServingLayout recv(hf, parse_infer_topology("tp=2,replicas=2"));
-  sim::SyntheticTrainer trainer(hf, train, recv, lively());
+  sim::SyntheticTrainer trainer(hf, train, lively());
   const sim::AdamWAccess access{&trainer};
   Cluster engine(hf, train, recv, {.publish_every = 1});
   engine.world().keep_history(true);
@@ -244,7 +244,7 @@ TEST_CASE("a trainer whose real layout is not dte's topology is refused before a
     apply_stack(real, parse_stack(c.trainer_stack));
     apply_stack(assumed, parse_stack(c.dte_stack));
     const ServingLayout recv(hf, parse_infer_topology("tp=2"));
-    sim::SyntheticTrainer trainer(hf, real, recv, lively());
+    sim::SyntheticTrainer trainer(hf, real, lively());
     const sim::AdamWAccess access{&trainer};
     Cluster engine(hf, assumed, recv, {.publish_every = 1});
     const Version before = engine.receivers().front()->version();
@@ -268,7 +268,7 @@ struct Fixture {
   HfModel hf{model_preset("tiny-qwen3-moe")};
   TrainTopology train = parse_train_topology("tp=2,ep=2,dp=2");
   ServingLayout recv{hf, parse_infer_topology("tp=2,replicas=2")};
-  sim::SyntheticTrainer trainer{hf, train, recv, lively()};
+  sim::SyntheticTrainer trainer{hf, train, lively()};
   sim::AdamWAccess access{&trainer};
   Cluster engine{hf, train, recv, {.publish_every = 1}};
 

@@ -73,7 +73,7 @@ TEST_CASE("memory of a publication: O(changed), within 1.5x of the payload plus 
     sim::SyntheticConfig cfg;
     cfg.lr = 1e-6;
     cfg.warmup_steps = 2;
-    sim::SyntheticTrainer trainer(hf, train, recv, cfg);
+    sim::SyntheticTrainer trainer(hf, train, cfg);
     const sim::AdamWAccess access{&trainer};
     sim::LoopbackCluster<DeltaEngine<AdamWInverse, BF16Detect>> engine(hf, train, recv,
                                                                        {.publish_every = K});

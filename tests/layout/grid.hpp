@@ -48,7 +48,7 @@ inline bool valid(const ModelSpec& m, const TrainTopology& t, const InferTopolog
 template <class Fail>
 void check_runs(const HfModel& hf, const TransferPlan& plan, const ServingLayout& recv,
                 Fail&& fail) {
-  const dte::pipeline::RunTable runs(plan, hf, recv);
+  const dte::pipeline::RunTable runs(plan, hf, &recv);
   std::vector<RouteTarget> want;
   for (BufferKind b : {BufferKind::dense, BufferKind::expert}) {
     for (const dte::pipeline::Run& run : runs.runs(b)) {
@@ -65,7 +65,8 @@ void check_runs(const HfModel& hf, const TransferPlan& plan, const ServingLayout
           return;
         }
         want.clear();
-        plan.route(b, o, [&](const RouteTarget& rt) { want.push_back(rt); });
+        route_canonical(recv, plan.canonical(b, o),
+                        [&](const RouteTarget& rt) { want.push_back(rt); });
         bool same = want.size() == targets.size();
         for (std::size_t j = 0; same && j < want.size(); ++j) {
           same = want[j].rank == targets[j].rank && want[j].tensor == targets[j].tensor &&
@@ -99,7 +100,7 @@ inline bool check_combo(const ModelSpec& m, const TrainTopology& t, const InferT
     ok = false;
   };
   for (std::int64_t g = 0; g < t.world() && ok; ++g) {
-    const TransferPlan plan(hf, t, recv, g);
+    const TransferPlan plan(hf, t, g);
     check_runs(hf, plan, recv, fail);
     for (BufferKind b : {BufferKind::dense, BufferKind::expert}) {
       for (std::int64_t o = 0; o < plan.shard_size(b) && ok; ++o) {
@@ -123,7 +124,7 @@ inline bool check_combo(const ModelSpec& m, const TrainTopology& t, const InferT
           fail("megatron_source disagrees for " + hf.name(c.tensor) + "[" +
                std::to_string(c.index) + "] from " + p.name());
         }
-        plan.route(b, o, [&](const RouteTarget& rt) {
+        route_canonical(recv, plan.canonical(b, o), [&](const RouteTarget& rt) {
           auto& cell =
               written[static_cast<std::size_t>(rt.rank)][static_cast<std::size_t>(rt.tensor)]
                      [static_cast<std::size_t>(rt.index)];

@@ -72,7 +72,7 @@ TEST_CASE("transfer plans reproduce the tensor-level reference bit for bit") {
 
   std::int64_t sent = 0, canonical_mismatch = 0, copies = 0, copy_mismatch = 0;
   for (std::int64_t g = 0; g < t.world(); ++g) {
-    const TransferPlan plan(hf, t, recv, g);
+    const TransferPlan plan(hf, t, g);
     const TrainRank& r = plan.rank();
     for (BufferKind b : {BufferKind::dense, BufferKind::expert}) {
       for (const PlanSegment& s : plan.segments(b)) {
@@ -103,7 +103,7 @@ TEST_CASE("transfer plans reproduce the tensor-level reference bit for bit") {
           ++sent;
           const std::vector<float>& hv = tensor(hfile, hf.name(c.tensor));
           canonical_mismatch += bits(hv[static_cast<std::size_t>(c.index)]) != bits(value);
-          plan.route(b, o, [&](const RouteTarget& rt) {
+          route_canonical(recv, plan.canonical(b, o), [&](const RouteTarget& rt) {
             out[static_cast<std::size_t>(rt.rank)][static_cast<std::size_t>(rt.tensor)]
                [static_cast<std::size_t>(rt.index)] = value;
           });

@@ -27,7 +27,7 @@ void check_real(const char* model, const char* train_spec, const char* infer_spe
   double worst_seconds = 0.0, worst_fraction = 0.0;
   for (std::int64_t g = 0; g < t.world(); ++g) {
     const auto t0 = std::chrono::steady_clock::now();
-    plans.emplace_back(hf, t, recv, g);
+    plans.emplace_back(hf, t, g);
     worst_seconds =
         std::max(worst_seconds,
                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());

@@ -31,7 +31,7 @@ int main(int argc, char** argv) {
     const layout::HfModel hf(layout::model_preset("tiny-qwen3"));
     const layout::TrainTopology train = layout::parse_train_topology("tp=2,dp=2");
     const layout::ServingLayout recv(hf, layout::parse_infer_topology("tp=2"));
-    sim::SyntheticTrainer trainer(hf, train, recv, {.lr = 1e-5, .warmup_steps = 0});
+    sim::SyntheticTrainer trainer(hf, train, {.lr = 1e-5, .warmup_steps = 0});
     const sim::AdamWAccess access{&trainer};
     MpiTwoRoundConfig config;
     config.deadline = std::chrono::seconds(30);

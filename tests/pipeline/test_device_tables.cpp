@@ -39,8 +39,8 @@ TEST_CASE("work items cover each shard exactly once, inside one run, with resolv
     const auto train = layout::parse_train_topology(c.train);
     const layout::ServingLayout recv(hf, layout::parse_infer_topology(c.infer));
     for (std::int64_t rank = 0; rank < train.world(); ++rank) {
-      const layout::TransferPlan plan(hf, train, recv, rank);
-      const pipeline::RunTable table(plan, hf, recv);
+      const layout::TransferPlan plan(hf, train, rank);
+      const pipeline::RunTable table(plan, hf, &recv);
       for (BufferKind b : {BufferKind::dense, BufferKind::expert}) {
         for (const std::uint32_t max : {1u, 37u, 4096u}) {
           const auto runs = table.runs(b);

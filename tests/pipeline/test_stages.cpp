@@ -16,15 +16,15 @@
 #include <tuple>
 #include <vector>
 
+#include "dte/core/digest.hpp"
 #include "dte/detect/detect.hpp"
-#include "dte/engine/digest.hpp"
 #include "dte/exec/host.hpp"
-#include "dte/exec/simd_x86.hpp"
 #include "dte/layout/identity.hpp"
 #include "dte/layout/plan.hpp"
 #include "dte/optim/adam.hpp"
 #include "dte/pipeline/compact.hpp"
 #include "dte/pipeline/detect.hpp"
+#include "dte/pipeline/detect_vector.hpp"
 #include "dte/pipeline/route.hpp"
 #include "dte/pipeline/runs.hpp"
 
@@ -280,11 +280,10 @@ TEST_CASE("detect: the fast test never passes a value the precise rule would gua
 TEST_CASE("detect: the digest of a piece is the sum of element_digest over its elements") {
   const State s = make_state(4096, 11);
   const auto k = dte::AdamWInverse::bind_unchecked({.lr = 1e-5, .step = 3}, s.theta, {s.m, s.v});
-  const dte::HostExecutor exec;
   std::vector<std::uint64_t> bits(70, 0);
   const std::int64_t base = (std::int64_t{5} << 32) + 17;  // a high part in the key
   const DetectCounts c = dte::pipeline::detect<dte::BF16Detect>(
-      exec, k, Piece{0, 4096, base, true}, ScanMode::detect, nullptr, 0, bits.data(), 0);
+      k, Piece{0, 4096, base, true}, ScanMode::detect, nullptr, 0, bits.data(), 0);
   dte::Digest want = 0;
   for (std::size_t j = 0; j < 4096; ++j)
     want += dte::element_digest(base + static_cast<std::int64_t>(j), dte::round_bf16(s.theta[j]));
@@ -300,7 +299,7 @@ namespace {
 template <class Plan>
 void check_runs(const Plan& plan, const dte::layout::HfModel& hf,
                 const dte::layout::ServingLayout& recv) {
-  const dte::pipeline::RunTable table(plan, hf, recv);
+  const dte::pipeline::RunTable table(plan, hf, &recv);
   for (dte::layout::BufferKind b :
        {dte::layout::BufferKind::dense, dte::layout::BufferKind::expert}) {
     const auto runs = table.runs(b);
@@ -319,7 +318,7 @@ void check_runs(const Plan& plan, const dte::layout::HfModel& hf,
         REQUIRE(c.tensor == run.tensor);
         CHECK(hf[c.tensor].base + c.index == run.canonical + j);
         std::vector<std::tuple<std::int64_t, std::int64_t, std::int64_t>> want, got;
-        plan.route(b, o, [&](const dte::layout::RouteTarget& t) {
+        route_canonical(recv, plan.canonical(b, o), [&](const dte::layout::RouteTarget& t) {
           want.emplace_back(t.rank, t.tensor, t.index);
         });
         for (const dte::pipeline::RunTarget& t : table.targets(run))
@@ -357,11 +356,11 @@ TEST_CASE("runs: every shard offset maps as the transfer plan says (canonical an
     const TrainTopology train = parse_train_topology(pair.train);
     const ServingLayout recv(hf, parse_infer_topology(pair.infer));
     for (std::int64_t rank = 0; rank < train.world(); ++rank)
-      check_runs(TransferPlan(hf, train, recv, rank), hf, recv);
+      check_runs(TransferPlan(hf, train, rank), hf, recv);
   }
   const HfModel hf(model_preset("tiny-qwen3"));
   const ServingLayout recv(hf, parse_infer_topology("tp=2"));
-  check_runs(IdentityPlan(hf, TrainTopology{}, recv, 0), hf, recv);
+  check_runs(IdentityPlan(hf, TrainTopology{}, 0), hf, recv);
 }
 
 TEST_CASE("compact and route: the flagged elements, every copy") {
@@ -369,8 +368,8 @@ TEST_CASE("compact and route: the flagged elements, every copy") {
   const HfModel hf(model_preset("tiny-qwen3"));
   const TrainTopology train = parse_train_topology("tp=2,dp=2");
   const ServingLayout recv(hf, parse_infer_topology("tp=4,replicas=2"));
-  const TransferPlan plan(hf, train, recv, 1);
-  const dte::pipeline::RunTable table(plan, hf, recv);
+  const TransferPlan plan(hf, train, 1);
+  const dte::pipeline::RunTable table(plan, hf, &recv);
   const auto runs = table.runs(BufferKind::dense);
   const std::int64_t begin = runs[2].shard_begin, n = 5000;
   std::vector<float> theta(static_cast<std::size_t>(n));
@@ -402,10 +401,12 @@ TEST_CASE("compact and route: the flagged elements, every copy") {
                        std::span(bits).first(k), routed);
   std::vector<std::tuple<std::uint32_t, std::uint32_t, std::uint32_t, std::uint16_t>> want, got;
   for (std::size_t e = 0; e < k; ++e) {
-    plan.route(BufferKind::dense, begin + offsets[e], [&](const RouteTarget& t) {
-      want.emplace_back(static_cast<std::uint32_t>(t.rank), static_cast<std::uint32_t>(t.tensor),
-                        static_cast<std::uint32_t>(t.index), bits[e]);
-    });
+    route_canonical(recv, plan.canonical(BufferKind::dense, begin + offsets[e]),
+                    [&](const RouteTarget& t) {
+                      want.emplace_back(static_cast<std::uint32_t>(t.rank),
+                                        static_cast<std::uint32_t>(t.tensor),
+                                        static_cast<std::uint32_t>(t.index), bits[e]);
+                    });
   }
   for (std::size_t e = 0; e < routed.size(); ++e)
     got.emplace_back(routed.rank[e], routed.tensor[e], routed.index[e], routed.bits[e]);

@@ -36,7 +36,7 @@ struct Fixture {
   explicit Fixture(const char* model)
       : hf(model_preset(model)), recv(hf, parse_infer_topology("tp=1")) {}
   SyntheticTrainer trainer(const char* train, SyntheticConfig cfg = {}) const {
-    return SyntheticTrainer(hf, parse_train_topology(train), recv, cfg);
+    return SyntheticTrainer(hf, parse_train_topology(train), cfg);
   }
 };
 

@@ -27,7 +27,7 @@ int main(int argc, char** argv) {
     const auto train = layout::parse_train_topology("tp=2");
     const layout::ServingLayout recv(hf, layout::parse_infer_topology("tp=2"));
     if (mode == "write") {
-      sim::SyntheticTrainer trainer(hf, train, recv, {.lr = 3e-6, .warmup_steps = 0});
+      sim::SyntheticTrainer trainer(hf, train, {.lr = 3e-6, .warmup_steps = 0});
       const sim::AdamWAccess access{&trainer};
       sim::StorageCluster writers(hf, train, argv[2], {}, 2);
       writers.publish(access);

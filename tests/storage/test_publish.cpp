@@ -64,7 +64,7 @@ struct Setup {
       : hf(layout::model_preset(model)),
         train(layout::parse_train_topology(train_spec)),
         recv(hf, layout::parse_infer_topology(infer_spec)),
-        trainer(hf, train, recv, {.lr = lr, .warmup_steps = 0}),
+        trainer(hf, train, {.lr = lr, .warmup_steps = 0}),
         writers(hf, train, dir.path, cfg, 2) {}
 
   sim::OwnedReader reader(std::vector<std::int64_t> replicas = {0},
@@ -369,6 +369,34 @@ TEST_CASE("publication every K steps, MoE, experts and a dist-optimizer trainer"
     REQUIRE(r->poll().ok());
     CHECK(s.mismatches(r, s.trainer.canonical_weights()) == 0);
   }
+}
+
+TEST_CASE("a mark refused on one writer: the next publication is an anchor on every writer") {
+  // (what the refused step changed on that writer is in no dirty mask: a delta would miss it)
+  Setup s({.publish_every = 2});
+  auto r = s.reader();
+  s.writers.publish(s.access);
+  s.trainer.step();
+  auto v = s.trainer.exp_avg_sq(1, layout::BufferKind::dense);
+  const float kept = v[v.size() / 2];
+  v[v.size() / 2] = -1.0f;  // writer 1's state is refused for this step's mark
+  CHECK_THROWS_AS(s.writers.step(s.access), invalid_argument);
+  v[v.size() / 2] = kept;
+  s.trainer.step();
+  const auto rep = s.writers.step(s.access);
+  REQUIRE(rep.has_value());
+  CHECK(rep->anchor());
+  REQUIRE(r->poll().ok());
+  CHECK(s.mismatches(r, s.trainer.canonical_weights()) == 0);
+  // then deltas again, every second step
+  s.trainer.step();
+  CHECK_FALSE(s.writers.step(s.access).has_value());
+  s.trainer.step();
+  const auto next = s.writers.step(s.access);
+  REQUIRE(next.has_value());
+  CHECK_FALSE(next->anchor());
+  REQUIRE(r->poll().ok());
+  CHECK(s.mismatches(r, s.trainer.canonical_weights()) == 0);
 }
 
 TEST_CASE("diff encoding: smaller, and every reader ends bit-identical; verify replays it") {

@@ -48,7 +48,7 @@ struct World {
 
   // The weights the crash worker's trainer has after `steps` steps.
   std::vector<float> weights(std::int64_t steps) const {
-    sim::SyntheticTrainer t(hf, train, recv, {.lr = 3e-6, .warmup_steps = 0});
+    sim::SyntheticTrainer t(hf, train, {.lr = 3e-6, .warmup_steps = 0});
     for (std::int64_t s = 0; s < steps; ++s)
       t.step();
     return t.canonical_weights();
@@ -125,7 +125,7 @@ TEST_CASE("a writer SIGKILLed at random points of publication, 50 trials") {
               << " versions while writers ran");
   CHECK(cut >= 5);  // (about a third do; the rest land between publications or before the first)
   // The next publication succeeds, and the reader follows it.
-  sim::SyntheticTrainer trainer(w.hf, w.train, w.recv, {.lr = 3e-6, .warmup_steps = 0});
+  sim::SyntheticTrainer trainer(w.hf, w.train, {.lr = 3e-6, .warmup_steps = 0});
   const sim::AdamWAccess access{&trainer};
   sim::StorageCluster writers(w.hf, w.train, root.path, {}, 2);
   const Version before = storage::read_latest(root.path).value_or(0);
@@ -143,7 +143,7 @@ TEST_CASE("a writer SIGKILLed at random points of publication, 50 trials") {
 TEST_CASE("a reader SIGKILLed mid-apply recovers on restart, bit-identical") {
   const World w;
   TempRoot root;
-  sim::SyntheticTrainer trainer(w.hf, w.train, w.recv, {.lr = 3e-6, .warmup_steps = 0});
+  sim::SyntheticTrainer trainer(w.hf, w.train, {.lr = 3e-6, .warmup_steps = 0});
   const sim::AdamWAccess access{&trainer};
   {
     sim::StorageCluster writers(w.hf, w.train, root.path, {}, 2);

@@ -20,11 +20,11 @@
 #include "dte/engine/receiver.hpp"
 #include "dte/engine/sender.hpp"
 #include "dte/exec/host.hpp"
-#include "dte/exec/simd_x86.hpp"
 #include "dte/io/model_config.hpp"
 #include "dte/layout/plan.hpp"
 #include "dte/optim/adam.hpp"
 #include "dte/pipeline/detect.hpp"
+#include "dte/pipeline/detect_vector.hpp"
 #include "dte/sim/controlled_shard.hpp"
 #include "dte/sim/full_message.hpp"
 
@@ -32,7 +32,7 @@ namespace dte::tool {
 
 namespace {
 
-using Sender = SenderRank<AdamWInverse, BF16Detect, layout::TransferPlan, HostExecutor>;
+using Sender = HostSenderRank<AdamWInverse, BF16Detect, layout::TransferPlan, HostExecutor>;
 using Clock = std::chrono::steady_clock;
 
 struct BenchOptions {
@@ -60,9 +60,8 @@ struct StageFigures {
   std::uint64_t elements = 0, flagged = 0, entries = 0, payload = 0;
 };
 
-StageFigures measure(const BenchOptions& o, const HostExecutor& exec, const layout::HfModel& hf,
-                     const layout::ServingLayout& recv, Sender& sender, double fraction,
-                     std::vector<Receiver>& receivers, Version& version) {
+StageFigures measure(const BenchOptions& o, const HostExecutor& exec, Sender& sender,
+                     double fraction, std::vector<Receiver>& receivers, Version& version) {
   using layout::BufferKind;
   const layout::TransferPlan& plan = sender.plan();
   const sim::ControlledShard shard(plan.shard_size(BufferKind::dense),
@@ -71,39 +70,37 @@ StageFigures measure(const BenchOptions& o, const HostExecutor& exec, const layo
   f.fraction = fraction;
   // Stage by stage, as the sender runs them, over tiles in parallel, keeping each tile's buffers
   // for the next stage.
-  ScanResult encoded;
-  encoded.digest.assign(static_cast<std::size_t>(hf.size()), 0);
-  std::vector<std::uint64_t> flagged(
-      static_cast<std::size_t>(recv.topology().ranks() * recv.size()));
   for (BufferKind b : {BufferKind::dense, BufferKind::expert}) {
     if (plan.shard_size(b) == 0) continue;
     const auto theta = shard.theta(o.rank, b);
-    sender.bind(shard, b);
-    std::vector<Sender::Tile> out(sender.tiles(b));
+    sender.frame().bind(shard, b);
+    std::vector<Sender::Frame::Tile> out(sender.frame().tiles(b));
     auto each_tile = [&](auto&& stage) {
       exec.for_each(out.size(), [&](std::size_t t, int) { stage(t, out[t]); });
     };
     f.detect_s += best_seconds(o.repeat, [&] {
-      each_tile([&](std::size_t t, Sender::Tile& x) {
-        if (!sender.detect_tile(theta, b, t, pipeline::ScanMode::detect, x)) {
+      each_tile([&](std::size_t t, Sender::Frame::Tile& x) {
+        if (!sender.frame().detect_tile(theta, b, t, pipeline::ScanMode::detect, x)) {
           throw error("dte bench: the controlled shard was refused");
         }
       });
     });
     f.compact_s += best_seconds(o.repeat, [&] {
-      each_tile([&](std::size_t t, Sender::Tile& x) { sender.compact_tile(theta, b, t, x); });
+      each_tile([&](std::size_t t, Sender::Frame::Tile& x) {
+        sender.frame().compact_tile(theta, b, t, x);
+      });
     });
     f.route_s += best_seconds(o.repeat, [&] {
-      each_tile([&](std::size_t t, Sender::Tile& x) { sender.route_tile(b, t, x); });
+      each_tile([&](std::size_t t, Sender::Frame::Tile& x) { sender.frame().route_tile(b, t, x); });
     });
     f.encode_s += best_seconds(o.repeat, [&] {
-      sender.begin_messages();
-      for (const Sender::Tile& x : out)
-        sender.encode_tile(x, encoded, flagged);
+      sender.sink().begin(sender.frame(), pipeline::ScanMode::detect);
+      for (std::size_t t = 0; t < out.size(); ++t)
+        (void)sender.sink().changed(sender.frame(), b, t, out[t]);
       (void)sender.finish(MessageKind::delta, 1, 0);
     });
     sender.release();
-    for (const Sender::Tile& x : out) {
+    for (const Sender::Frame::Tile& x : out) {
       f.flagged += x.counts.flagged;
       f.elements += x.scanned;
     }
@@ -195,7 +192,7 @@ int run_pipeline(const BenchOptions& o) {
   read(std::max(5, o.repeat));
   std::vector<StageFigures> figures;
   for (double fraction : o.fractions) {
-    figures.push_back(measure(o, exec, hf, recv, sender, fraction, receivers, version));
+    figures.push_back(measure(o, exec, sender, fraction, receivers, version));
     read(2);
   }
   const double dense_elements = static_cast<double>(plan.shard_size(layout::BufferKind::dense));

@@ -26,6 +26,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -43,6 +44,7 @@
 #include "dte/io/model_config.hpp"
 #include "dte/layout/plan.hpp"
 #include "dte/optim/adam.hpp"
+#include "dte/pipeline/frame.hpp"
 #include "dte/sim/access.hpp"
 #include "dte/sim/baselines.hpp"
 #include "dte/sim/storage_cluster.hpp"
@@ -52,7 +54,39 @@ namespace dte::tool {
 
 namespace {
 
-using Sender = SenderRank<AdamWInverse, BF16Detect, layout::TransferPlan, HostExecutor>;
+using Sender = HostSenderRank<AdamWInverse, BF16Detect, layout::TransferPlan, HostExecutor>;
+using Converter = SenderFrame<AdamWInverse, BF16Detect, layout::TransferPlan, HostExecutor>;
+
+// The converter of the snapshot baselines (Megatron shard -> canonical BF16): a full pass of the
+// sender frame whose sink calls emit(tensor, index, bits) for every element the rank sends, in
+// shard order.
+template <class Emit>
+struct EveryElement {
+  Emit emit;
+  void begin(const Converter&, pipeline::ScanMode) {}
+  void prepare(const Converter&, layout::BufferKind, std::size_t, Converter::Tile&) {}
+  std::uint64_t changed(const Converter&, layout::BufferKind, std::size_t, const Converter::Tile&) {
+    throw error("dte bench compare: the converter only runs full passes");
+  }
+  void all(const Converter& f, layout::BufferKind b, std::size_t t, const Converter::Tile& s) {
+    f.for_each_sent_piece(
+        b, t, s,
+        [&](const pipeline::Run& run, std::int64_t at, std::span<const std::uint16_t> bits) {
+          const std::uint32_t first = f.canonical_index(run, run.shard_begin + at);
+          for (std::size_t j = 0; j < bits.size(); ++j)
+            emit(static_cast<std::uint32_t>(run.tensor), first + static_cast<std::uint32_t>(j),
+                 bits[j]);
+        });
+  }
+  template <class Access>
+  void end(const Converter&, const Access&, pipeline::ScanMode) {}
+};
+
+template <class Access, class Emit>
+void convert(Converter& c, const Access& access, Emit&& emit) {
+  EveryElement<Emit&> sink{emit};
+  (void)c.scan(access, pipeline::ScanMode::all, sink);
+}
 using Clock = std::chrono::steady_clock;
 namespace fs = std::filesystem;
 
@@ -112,7 +146,7 @@ struct Setup {
   std::int64_t full_elements = 0;  // the whole model (its own layers and vocabulary)
 
   [[nodiscard]] sim::SyntheticTrainer trainer() const {
-    return sim::SyntheticTrainer(*hf, train, *recv, {.lr = o.lr, .warmup_steps = 0});
+    return sim::SyntheticTrainer(*hf, train, {.lr = o.lr, .warmup_steps = 0});
   }
 };
 
@@ -151,11 +185,10 @@ void check_identical(const Setup& s, const sim::SyntheticTrainer& t, const Tenso
   Tensors want(s);
   const sim::AdamWAccess access{&t};
   for (std::int64_t r = 0; r < s.train.world(); ++r) {
-    Sender conv(*s.hf, s.train, *s.recv, r, false, s.exec);
-    (void)conv.scan_canonical(access, pipeline::ScanMode::all,
-                              [&](std::uint32_t tensor, std::uint32_t index, std::uint16_t bits) {
-                                want.put(*s.recv, tensor, index, bits);
-                              });
+    Converter conv(*s.hf, s.train, nullptr, r, false, s.exec);
+    convert(conv, access, [&](std::uint32_t tensor, std::uint32_t index, std::uint16_t bits) {
+      want.put(*s.recv, tensor, index, bits);
+    });
   }
   if (want.rank != got.rank) {
     throw error("dte bench compare: " + approach +
@@ -372,11 +405,11 @@ Figures run_snapshot_diff(const Setup& s) {
   const PeakWatch watch;
   // Per trainer rank: its converter (Megatron shard -> canonical BF16) and its snapshot, one
   // value per element it owns, in the converter's (fixed) order.
-  std::vector<std::unique_ptr<Sender>> conv;
+  std::vector<std::unique_ptr<Converter>> conv;
   std::vector<std::vector<std::uint16_t>> snapshot(static_cast<std::size_t>(s.train.world()));
   (void)timed(sender_account, [&] {
     for (std::int64_t r = 0; r < s.train.world(); ++r)
-      conv.push_back(std::make_unique<Sender>(*s.hf, s.train, *s.recv, r, false, s.exec));
+      conv.push_back(std::make_unique<Converter>(*s.hf, s.train, nullptr, r, false, s.exec));
   });
   struct Delta {  // one rank's delta, per canonical tensor
     std::map<std::uint32_t, std::pair<std::vector<std::uint32_t>, std::vector<std::uint16_t>>>
@@ -386,30 +419,26 @@ Figures run_snapshot_diff(const Setup& s) {
   auto diff = [&](std::size_t r, Delta& d) {
     std::size_t k = 0;
     auto& snap = snapshot[r];
-    (void)conv[r]->scan_canonical(
-        access, pipeline::ScanMode::all,
-        [&](std::uint32_t tensor, std::uint32_t index, std::uint16_t bits) {
-          if (bits != snap[k]) {
-            auto& [idx, val] = d.tensors[tensor];
-            idx.push_back(index);
-            val.push_back(bits);
-            snap[k] = bits;
-          }
-          ++k;
-        });
+    convert(*conv[r], access, [&](std::uint32_t tensor, std::uint32_t index, std::uint16_t bits) {
+      if (bits != snap[k]) {
+        auto& [idx, val] = d.tensors[tensor];
+        idx.push_back(index);
+        val.push_back(bits);
+        snap[k] = bits;
+      }
+      ++k;
+    });
   };
   for (int w = 0; w < 3; ++w)
     t.step();
   // The first sync: the snapshot filled, every element to every receiver.
   (void)timed(sender_account, [&] {
     for (std::size_t r = 0; r < conv.size(); ++r) {
-      (void)conv[r]->scan_canonical(
-          access, pipeline::ScanMode::all,
-          [&](std::uint32_t tensor, std::uint32_t index, std::uint16_t bits) {
-            snapshot[r].push_back(bits);
-            tensors.put(*s.recv, tensor, index, bits);
-            storage_tensors.put(*s.recv, tensor, index, bits);
-          });
+      convert(*conv[r], access, [&](std::uint32_t tensor, std::uint32_t index, std::uint16_t bits) {
+        snapshot[r].push_back(bits);
+        tensors.put(*s.recv, tensor, index, bits);
+        storage_tensors.put(*s.recv, tensor, index, bits);
+      });
       snapshot[r].shrink_to_fit();
     }
   });

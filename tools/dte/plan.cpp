@@ -52,7 +52,7 @@ void dump_map(const std::string& path, const HfModel& hf, const ServingLayout& r
               out << prefix << index << ",0," << hf.name(c.tensor) << ',' << c.index << '\n';
             continue;
           }
-          plan.route(b, s.shard_begin + i, [&](const RouteTarget& t) {
+          route_canonical(recv, plan.canonical(b, s.shard_begin + i), [&](const RouteTarget& t) {
             out << prefix << index << ',' << t.rank << ',' << recv.name(t.tensor) << ',' << t.index
                 << '\n';
           });
@@ -120,9 +120,9 @@ void register_plan(CLI::App& app, int& status) {
     for (std::int64_t g = 0; g < train.world(); ++g) {
       const auto t0 = std::chrono::steady_clock::now();
       if (dumped.empty()) {
-        plans.emplace_back(hf, train, recv, g);
+        plans.emplace_back(hf, train, g);
       } else {
-        plans.emplace_back(hf, train, recv, g, dumped[static_cast<std::size_t>(g)]);
+        plans.emplace_back(hf, train, g, dumped[static_cast<std::size_t>(g)]);
       }
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       build_max = std::max(build_max, s);

@@ -24,8 +24,8 @@
 #include "commands.hpp"
 #include "dte/engine/receiver.hpp"
 #include "dte/engine/report.hpp"
+#include "dte/engine/report_json.hpp"
 #include "dte/io/model_config.hpp"
-#include "dte/io/report_json.hpp"
 #include "dte/io/safetensors.hpp"
 #include "dte/sim/access.hpp"
 #include "dte/sim/synthetic_trainer.hpp"
@@ -50,7 +50,7 @@ struct Simulation {
         infer(layout::parse_infer_topology(o.infer)),
         hf((check(spec, train, infer), spec)),
         recv(hf, infer),
-        trainer(hf, train, recv, config(o)) {}
+        trainer(hf, train, config(o)) {}
 
  private:
   static layout::ModelSpec checked_spec(const SimulateOptions& o) {

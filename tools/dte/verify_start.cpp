@@ -95,7 +95,7 @@ void register_verify_start(CLI::App& app, int& status) {
       const layout::ServingLayout recv(hf, layout::InferTopology{});
       sim::SyntheticConfig cfg;
       cfg.seed = o->seed;
-      const sim::SyntheticTrainer trainer(hf, t, recv, cfg);
+      const sim::SyntheticTrainer trainer(hf, t, cfg);
       const std::vector<float> canonical = trainer.canonical_weights();
       rep = io::verify_start(hf, o->checkpoint, [&](std::int64_t id, std::span<std::uint16_t> out) {
         const auto base = static_cast<std::size_t>(hf[id].base);

@@ -5,7 +5,7 @@
 // synchronisation for the counts); the per-receiver buckets then come to the host (pinned
 // memory, one synchronisation: 10 bytes per changed element and copy, not the 12 bytes per
 // element a host scan would need) and are encoded into the wire messages there
-// (wire::encode_bucket: consecutive indices as dense runs). The interface is SenderRank's
+// (wire::encode_bucket: consecutive indices as dense runs). The interface is HostSenderRank's
 // (engine/sender.hpp): DeltaEngine picks this class for exec::Cuda through detail::sender_rank.
 #pragma once
 

@@ -14,8 +14,9 @@
 //      compared with the trainer's; receivers that refused get a full resync and disagreeing
 //      tensors a dense repair, then the check runs again.
 //   4. report: every rank's part summed over the world, so every rank returns the same report.
-// Publication every K optimizer steps, explicit no-op versions and the full publication after
-// a refusal are the schedule's (engine/schedule.hpp).
+// When to publish (every K optimizer steps) and what (full after a refusal, else the dirty mask
+// or this step's changes) is the schedule's (engine/schedule.hpp); explicit no-op versions are
+// publish_noop().
 #pragma once
 
 #include <algorithm>
@@ -30,7 +31,7 @@
 #include <vector>
 
 #include "dte/concepts.hpp"
-#include "dte/engine/message.hpp"
+#include "dte/core/message.hpp"
 #include "dte/engine/receiver.hpp"
 #include "dte/engine/report.hpp"
 #include "dte/engine/schedule.hpp"
@@ -41,11 +42,24 @@
 #include "dte/layout/megatron.hpp"
 #include "dte/layout/plan.hpp"
 #include "dte/layout/serving.hpp"
+#include "dte/transport/collective.hpp"
 #include "dte/transport/loopback.hpp"
+
+// Under nvcc, the engine's CUDA backend too: an engine over exec::Cuda (NcclTwoRound's default
+// executor) runs the device sender (detail::sender_rank) and device receivers.
+#if defined(__CUDACC__)
+#include "dte/engine/device_receiver.cuh"
+#include "dte/engine/device_sender.cuh"
+#endif
 
 namespace dte {
 
 using MegatronToHF = layout::MegatronToHF;
+
+struct EngineConfig {
+  std::int64_t publish_every = 1;  // K
+  bool verify = true;              // compare every replica's digest with the trainer's
+};
 
 namespace detail {
 // The executor an engine over Transport runs on unless told otherwise: the transport's
@@ -68,15 +82,9 @@ template <optimizer_inverse Inverse, change_detector Detect, layout_mapping Layo
           transport Transport = LoopbackTwoRound,
           executor Exec = typename detail::default_executor<Transport>::type>
 requires transfer_plan<typename Layout::plan_type>
-class DeltaEngine
-    : public detail::PublicationSchedule<DeltaEngine<Inverse, Detect, Layout, Transport, Exec>> {
-  using Schedule = detail::PublicationSchedule<DeltaEngine>;
-  friend Schedule;
-  using Schedule::config_;
-  using Schedule::version_;
-
+class DeltaEngine {
  public:
-  // SenderRank on the host executor; DeviceSenderRank on exec::Cuda (engine/device_sender.cuh).
+  // HostSenderRank on the host executor; DeviceSenderRank on exec::Cuda (engine/device_sender.cuh).
   using Sender =
       typename detail::sender_rank<Inverse, Detect, typename Layout::plan_type, Exec>::type;
 
@@ -102,6 +110,37 @@ class DeltaEngine
       receiver_.emplace(hf, receivers, transport.rank() - transport.senders(), transport.senders(),
                         std::move(device_tensors));
     }
+  }
+
+  [[nodiscard]] Version version() const noexcept { return version_; }
+  [[nodiscard]] std::int64_t pending_steps() const noexcept { return schedule_.pending(); }
+
+  // The first publication (version 0): every element, current values.
+  template <class Access>
+  SyncReport publish_full(Access&& access) {
+    return publish(access, schedule_.next(true), 0);
+  }
+
+  // Call after every optimizer step. Publishes (and returns true) on every K-th step; the
+  // other steps' changes are ORed into the dirty mask.
+  template <class Access>
+  bool step(Access&& access, SyncReport& report) {
+    if (!schedule_.step()) {
+      SyncReport ignored;
+      scan(access, pipeline::ScanMode::mark, ignored);
+      schedule_.marked();
+      return false;
+    }
+    report = publish(access, schedule_.next(), version_ + 1);
+    return true;
+  }
+
+  // Publishes the steps taken since the last publication, if any.
+  template <class Access>
+  bool flush(Access&& access, SyncReport& report) {
+    if (schedule_.pending() == 0) return false;
+    report = publish(access, schedule_.next(), version_ + 1);
+    return true;
   }
 
   [[nodiscard]] bool is_sender() const noexcept { return sender_.has_value(); }
@@ -138,7 +177,11 @@ class DeltaEngine
   DeltaEngine(common, const layout::HfModel& hf, const layout::TrainTopology& train,
               const layout::ServingLayout& receivers, EngineConfig config, Transport& transport,
               Exec exec)
-      : Schedule(config), hf_(&hf), recv_layout_(&receivers), transport_(&transport) {
+      : config_(config),
+        schedule_(config.publish_every),
+        hf_(&hf),
+        recv_layout_(&receivers),
+        transport_(&transport) {
     if (transport.senders() != train.world() ||
         transport.receivers() != receivers.topology().ranks()) {
       throw invalid_argument(
@@ -148,7 +191,7 @@ class DeltaEngine
           " trainer ranks and " + std::to_string(receivers.topology().ranks()) + " receiver ranks");
     }
     if (transport.is_sender()) {
-      sender_.emplace(hf, train, receivers, transport.rank(), config.publish_every > 1, exec);
+      sender_.emplace(hf, train, receivers, transport.rank(), schedule_.keeps_mask(), exec);
     }
     for (std::int64_t r = 0; r < receivers.topology().ranks(); ++r) {
       dense_bytes_ +=
@@ -156,8 +199,23 @@ class DeltaEngine
     }
   }
 
-  void clear_masks() {
-    if (sender_) sender_->clear_masks();
+  // One publication of version v: the pass, then delivery (throws, with nothing sent, when a
+  // trainer rank refuses; the next publication is then full).
+  template <class Access>
+  SyncReport publish(Access& access, PublicationSchedule::Pass pass, Version v) {
+    SyncReport rep;
+    rep.version = v;
+    rep.steps = pass.steps;
+    scan(access, pass.mode, rep);
+    version_ = v;
+    schedule_.published();
+    if (pass.clears_masks() && sender_) sender_->clear_masks();
+    const MessageKind kind = pass.full()        ? MessageKind::full
+                             : rep.changed == 0 ? MessageKind::noop
+                                                : MessageKind::delta;
+    rep.kind = pass.full() ? "full" : rep.changed == 0 ? "noop" : "delta";
+    deliver(kind, rep, access);
+    return rep;
   }
 
   static double since(std::chrono::steady_clock::time_point t0) {
@@ -180,31 +238,28 @@ class DeltaEngine
         error = e.what();
       }
     }
-    std::vector<std::uint64_t> refused(static_cast<std::size_t>(transport_->senders()), 0);
-    if (sender_ && !error.empty()) refused[static_cast<std::size_t>(transport_->rank())] = 1;
-    transport_->sum(refused, "the agreement after the detect pass");
-    const auto first = std::find(refused.begin(), refused.end(), 1u);
-    if (first != refused.end()) {
-      this->refused();
-      refused_by_ = first - refused.begin();
-      const std::string who = "publication refused on trainer rank " + std::to_string(refused_by_);
-      throw invalid_argument(error.empty() ? who + " (that rank's error says why); nothing was sent"
-                                           : who + ": " + error);
-    }
+    agree(*transport_, static_cast<std::size_t>(transport_->senders()),
+          sender_ ? transport_->rank() : -1, error, "the agreement after the detect pass",
+          [&](std::int64_t who) {
+            schedule_.require_full();
+            refused_by_ = who;
+            const std::string what = "publication refused on trainer rank " + std::to_string(who);
+            throw invalid_argument(error.empty()
+                                       ? what + " (that rank's error says why); nothing was sent"
+                                       : what + ": " + error);
+          });
     refused_by_ = -1;
     if (mode == pipeline::ScanMode::mark) return;
-    const auto tensors = static_cast<std::size_t>(hf_->size());
-    std::vector<std::uint64_t> v(tensors, 0);
-    if (sender_) std::copy(res.digest.begin(), res.digest.end(), v.begin());
-    v.insert(v.end(), {res.scanned, res.changed, res.guard, res.entries});
-    transport_->sum(v, "the digest sum");
-    trainer_digest_.resize(tensors);
-    for (std::size_t t = 0; t < tensors; ++t)
-      trainer_digest_[t] = static_cast<Digest>(v[t]);  // mod 2^32
-    rep.elements_scanned = v[tensors];
-    rep.changed = v[tensors + 1];
-    rep.guard = v[tensors + 2];
-    rep.entries = v[tensors + 3];
+    struct Counts {
+      std::uint64_t scanned, changed, guard, entries;
+    } counts{res.scanned, res.changed, res.guard, res.entries};
+    trainer_digest_.assign(static_cast<std::size_t>(hf_->size()), 0);
+    if (sender_) trainer_digest_ = res.digest;
+    sum_fields(*transport_, "the digest sum", trainer_digest_, counts);
+    rep.elements_scanned = counts.scanned;
+    rep.changed = counts.changed;
+    rep.guard = counts.guard;
+    rep.entries = counts.entries;
     Digest total = 0;
     for (Digest d : trainer_digest_)
       total += d;
@@ -249,62 +304,54 @@ class DeltaEngine
     if (config_.verify) verify_and_repair(rep, access);
     const double verify_s = since(t0);
 
-    // 4. The report: sums, per-receiver bytes, and per-rank figures whose maximum is reported.
+    // 4. The report: totals, bytes per receiver, and per-rank figures whose maximum is reported.
     const auto world = static_cast<std::size_t>(transport_->senders() + transport_->receivers());
-    const auto receivers = static_cast<std::size_t>(transport_->receivers());
     const auto me = static_cast<std::size_t>(transport_->rank());
-    enum Field : std::size_t { f_payload, f_received, f_stale, f_written, f_count };
-    constexpr std::size_t per_rank = 11;
-    std::vector<std::uint64_t> v(f_count + receivers + per_rank * world, 0);
-    v[f_payload] = payload;
-    v[f_received] = received;
-    v[f_stale] = applied.stale;
-    v[f_written] = applied.written;
-    if (receiver_) v[f_count + me - static_cast<std::size_t>(transport_->senders())] = received;
-    auto slot = [&](std::size_t rank, std::size_t k) -> std::uint64_t& {
-      return v[f_count + receivers + rank * per_rank + k];
+    struct Totals {
+      std::uint64_t payload, received, stale, written;
+    } totals{payload, received, applied.stale, applied.written};
+    std::vector<std::uint64_t> bytes_to(static_cast<std::size_t>(transport_->receivers()), 0);
+    if (receiver_) bytes_to[static_cast<std::size_t>(receiver_->rank())] = received;
+    struct RankFigures {
+      std::uint64_t held, payload, received_held, received, mask, fixed;
+      std::uint64_t micros[5];  // detect, route, exchange, apply, verify
     };
+    std::vector<RankFigures> ranks(world, RankFigures{});
     const auto micros = [](double s) { return static_cast<std::uint64_t>(s * 1e6); };
-    const std::uint64_t local[per_rank] = {held,
-                                           payload,
-                                           received_held,
-                                           received,
-                                           mask,
-                                           fixed,
-                                           micros(detect_s_),
-                                           micros(route_s),
-                                           micros(exchange_s),
-                                           micros(apply_s),
-                                           micros(verify_s)};
-    for (std::size_t k = 0; k < per_rank; ++k)
-      slot(me, k) = local[k];
-    transport_->sum(v, "the report");
-    rep.bytes = v[f_payload];
-    rep.payload_total_bytes = v[f_payload];
-    rep.received_total_bytes = v[f_received];
-    rep.stale_messages = v[f_stale];
-    rep.routed_writes = v[f_written];
-    rep.bytes_to.assign(v.begin() + f_count,
-                        v.begin() + static_cast<std::ptrdiff_t>(f_count + receivers));
+    ranks[me] = {held,
+                 payload,
+                 received_held,
+                 received,
+                 mask,
+                 fixed,
+                 {micros(detect_s_), micros(route_s), micros(exchange_s), micros(apply_s),
+                  micros(verify_s)}};
+    sum_fields(*transport_, "the report", totals, bytes_to, ranks);
+    rep.bytes = totals.payload;
+    rep.payload_total_bytes = totals.payload;
+    rep.received_total_bytes = totals.received;
+    rep.stale_messages = totals.stale;
+    rep.routed_writes = totals.written;
+    rep.bytes_to = std::move(bytes_to);
     double* seconds[] = {&rep.detect_s, &rep.route_s, &rep.exchange_s, &rep.apply_s, &rep.verify_s};
     for (double* s : seconds)
       *s = 0;
-    for (std::size_t r = 0; r < world; ++r) {
+    for (const RankFigures& r : ranks) {
       // The rank whose extra memory is largest relative to its payload.
-      if (slot(r, 1) > 0 && (rep.sender_payload_bytes == 0 ||
-                             static_cast<double>(slot(r, 0)) * rep.sender_payload_bytes >
-                                 static_cast<double>(rep.sender_extra_bytes) * slot(r, 1))) {
-        rep.sender_extra_bytes = slot(r, 0);
-        rep.sender_payload_bytes = slot(r, 1);
+      if (r.payload > 0 && (rep.sender_payload_bytes == 0 ||
+                            static_cast<double>(r.held) * rep.sender_payload_bytes >
+                                static_cast<double>(rep.sender_extra_bytes) * r.payload)) {
+        rep.sender_extra_bytes = r.held;
+        rep.sender_payload_bytes = r.payload;
       }
-      if (slot(r, 2) > rep.receiver_extra_bytes) {
-        rep.receiver_extra_bytes = slot(r, 2);
-        rep.receiver_payload_bytes = slot(r, 3);
+      if (r.received_held > rep.receiver_extra_bytes) {
+        rep.receiver_extra_bytes = r.received_held;
+        rep.receiver_payload_bytes = r.received;
       }
-      rep.sender_mask_bytes = std::max(rep.sender_mask_bytes, slot(r, 4));
-      rep.sender_fixed_bytes = std::max(rep.sender_fixed_bytes, slot(r, 5));
+      rep.sender_mask_bytes = std::max(rep.sender_mask_bytes, r.mask);
+      rep.sender_fixed_bytes = std::max(rep.sender_fixed_bytes, r.fixed);
       for (std::size_t k = 0; k < 5; ++k)
-        *seconds[k] = std::max(*seconds[k], static_cast<double>(slot(r, 6 + k)) * 1e-6);
+        *seconds[k] = std::max(*seconds[k], static_cast<double>(r.micros[k]) * 1e-6);
     }
     detect_s_ = 0;
   }
@@ -321,22 +368,22 @@ class DeltaEngine
     bool repair_refused = false;  // this receiver refused its repair messages
     std::vector<bool> refused_repair(receivers, false);
     auto gather = [&](std::vector<bool>& bad, std::vector<bool>& resync) {
-      std::vector<std::uint64_t> v(replicas * tensors + 2 * receivers, 0);
+      std::vector<Digest> digests(replicas * tensors, 0);  // per replica and canonical tensor
+      std::vector<std::uint64_t> behind(receivers, 0), refused(receivers, 0);  // per receiver
       if (receiver_) {
-        const std::int64_t r = receiver_->rank();
-        const auto replica = static_cast<std::size_t>(r / it.tp);
-        for (std::size_t t = 0; t < tensors; ++t)
-          v[replica * tensors + t] = receiver_->digest()[t];
-        v[replicas * tensors + static_cast<std::size_t>(r)] =
-            receiver_->version() == version_ ? 0 : 1;
-        v[replicas * tensors + receivers + static_cast<std::size_t>(r)] = repair_refused ? 1 : 0;
+        const auto r = static_cast<std::size_t>(receiver_->rank());
+        const std::size_t replica = r / static_cast<std::size_t>(it.tp);
+        std::copy(receiver_->digest().begin(), receiver_->digest().end(),
+                  digests.begin() + static_cast<std::ptrdiff_t>(replica * tensors));
+        behind[r] = receiver_->version() == version_ ? 0 : 1;
+        refused[r] = repair_refused ? 1 : 0;
       }
-      transport_->sum(v, "the digest verification");
-      bad = detail::mismatched_tensors(*hf_, *recv_layout_, trainer_digest_, v.data());
+      sum_fields(*transport_, "the digest verification", digests, behind, refused);
+      bad = detail::mismatched_tensors(*hf_, *recv_layout_, trainer_digest_, digests);
       resync.assign(receivers, false);
       for (std::size_t d = 0; d < receivers; ++d) {
-        resync[d] = v[replicas * tensors + d] != 0;
-        refused_repair[d] = v[replicas * tensors + receivers + d] != 0;
+        resync[d] = behind[d] != 0;
+        refused_repair[d] = refused[d] != 0;
       }
     };
     std::vector<bool> bad, resync;
@@ -368,6 +415,9 @@ class DeltaEngine
                    std::find(resync.begin(), resync.end(), true) == resync.end();
   }
 
+  EngineConfig config_;
+  PublicationSchedule schedule_;
+  Version version_ = no_version;
   const layout::HfModel* hf_;
   const layout::ServingLayout* recv_layout_;
   Transport* transport_;

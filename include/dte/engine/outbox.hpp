@@ -8,9 +8,9 @@
 #include <cstdint>
 #include <vector>
 
-#include "dte/engine/message.hpp"
+#include "dte/core/message.hpp"
+#include "dte/core/payload.hpp"
 #include "dte/engine/wire.hpp"
-#include "dte/transport/payload.hpp"
 
 namespace dte::wire {
 

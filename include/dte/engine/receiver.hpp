@@ -34,14 +34,14 @@
 #include <utility>
 #include <vector>
 
-#include "dte/engine/digest.hpp"
+#include "dte/core/digest.hpp"
+#include "dte/core/payload.hpp"
 #include "dte/engine/wire.hpp"
 #include "dte/error.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/serving.hpp"
 #include "dte/receive/core.hpp"
 #include "dte/receive/staged.hpp"
-#include "dte/transport/payload.hpp"
 
 namespace dte {
 

@@ -1,13 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
 // SyncReport: what one publication did, the same on every rank of the world (the engine sums
-// every rank's part through the transport). dte/io/report_json.hpp writes it as JSON.
+// every rank's part through the transport). dte/engine/report_json.hpp writes it as JSON.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
-#include "dte/engine/message.hpp"
+#include "dte/core/message.hpp"
 
 namespace dte {
 

@@ -1,113 +1,84 @@
 // SPDX-License-Identifier: Apache-2.0
-// The publication schedule: version numbers, publication every K optimizer steps (step() marks,
-// the K-th step publishes, flush() publishes what is pending), explicit no-op versions, and a
-// full publication after a refused one (its changes were never recorded).
+// PublicationSchedule: when a trainer publishes and what each publication scans. One value, the
+// same for every front-end (DeltaEngine, storage::Publisher, publication::Publisher):
+//   - step() after every optimizer step: every publish_every-th step since the last publication
+//     publishes; the others mark (OR the step's changes into the dirty mask);
+//   - next(): what the publication about to be made scans: every element (full) for the first
+//     one, after a refusal (a refused pass did not record what its step changed) or on request;
+//     else the dirty mask when steps were marked (mask: the marked elements and this step's
+//     changes); else this step's changes (detect);
+//   - published() when it went out; require_full() when a pass (mark or publication) threw, or
+//     the caller lost track of its steps.
+// The version numbers are the front-ends' own (the engine counts from 0, a storage root from
+// LATEST).
 #pragma once
 
 #include <cstdint>
 #include <string>
 
-#include "dte/engine/message.hpp"
-#include "dte/engine/report.hpp"
 #include "dte/error.hpp"
 #include "dte/pipeline/detect.hpp"
 
 namespace dte {
 
-struct EngineConfig {
-  std::int64_t publish_every = 1;  // K
-  bool verify = true;              // compare every replica's digest with the trainer's
-};
-
-namespace detail {
-
-// The publication schedule every engine shares: version numbers, publication every K steps,
-// and a full publication after a refused one. Derived provides scan(access, mode, report)
-// (throws, calling refused(), when a trainer rank refuses), deliver(kind, report, access) and
-// clear_masks().
-template <class Derived>
 class PublicationSchedule {
  public:
-  explicit PublicationSchedule(EngineConfig config) : config_(config) {
-    if (config.publish_every < 1) {
-      throw invalid_argument("publish_every must be >= 1 (got " +
-                             std::to_string(config.publish_every) + ")");
+  // What a publication scans.
+  struct Pass {
+    pipeline::ScanMode mode;  // all, detect or mask
+    std::int64_t steps;       // optimizer steps it covers (0: none since the last one)
+    [[nodiscard]] bool full() const noexcept { return mode == pipeline::ScanMode::all; }
+    // Whether the dirty mask is to be cleared after this pass: a mask pass clears what it sends;
+    // a full or detect pass leaves behind (detect: ORs in) changes it sent.
+    [[nodiscard]] bool clears_masks() const noexcept { return mode != pipeline::ScanMode::mask; }
+  };
+
+  explicit PublicationSchedule(std::int64_t publish_every) : every_(publish_every) {
+    if (publish_every < 1) {
+      throw invalid_argument("publish_every must be >= 1 (got " + std::to_string(publish_every) +
+                             ")");
     }
   }
 
-  [[nodiscard]] Version version() const noexcept { return version_; }
-  [[nodiscard]] std::int64_t pending_steps() const noexcept { return pending_; }
+  [[nodiscard]] std::int64_t publish_every() const noexcept { return every_; }
+  // Optimizer steps since the last publication.
+  [[nodiscard]] std::int64_t pending() const noexcept { return pending_; }
+  // Whether the next publication is full whatever is asked.
+  [[nodiscard]] bool full_due() const noexcept { return !started_ || needs_full_; }
+  // Whether a dirty mask is kept at all (publish_every > 1).
+  [[nodiscard]] bool keeps_mask() const noexcept { return every_ > 1; }
 
-  // The first publication (version 0): every element, current values.
-  template <class Access>
-  SyncReport publish_full(Access&& access) {
-    SyncReport rep;
-    rep.kind = "full";
-    rep.version = 0;
-    self().scan(access, pipeline::ScanMode::all, rep);
-    version_ = 0;
+  // After an optimizer step: true when this step publishes (then next(), published()); false
+  // when it marks (then the mark pass, marked()).
+  [[nodiscard]] bool step() noexcept { return ++pending_ >= every_; }
+  void marked() noexcept { marked_ = true; }
+
+  [[nodiscard]] Pass next(bool want_full = false) const noexcept {
+    using pipeline::ScanMode;
+    const ScanMode mode = want_full || full_due() ? ScanMode::all
+                          : marked_               ? ScanMode::mask
+                                                  : ScanMode::detect;
+    return {mode, pending_};
+  }
+
+  // The publication went out: the steps it covered are published.
+  void published() noexcept {
+    pending_ = 0;
+    marked_ = false;
     needs_full_ = false;
-    self().deliver(MessageKind::full, rep, access);
-    return rep;
+    started_ = true;
   }
 
-  // Call after every optimizer step. Publishes (and returns true) on every K-th step.
-  template <class Access>
-  bool step(Access&& access, SyncReport& report) {
-    ++pending_;
-    if (config_.publish_every == 1) {
-      report = publish_now(access, pipeline::ScanMode::detect);
-      return true;
-    }
-    SyncReport ignored;
-    self().scan(access, pipeline::ScanMode::mark, ignored);  // OR this step's changes into the mask
-    if (pending_ < config_.publish_every) return false;
-    report = publish_now(access, pipeline::ScanMode::mask);
-    return true;
-  }
-
-  // Publishes the steps taken since the last publication, if any.
-  template <class Access>
-  bool flush(Access&& access, SyncReport& report) {
-    if (pending_ == 0) return false;
-    report = publish_now(access, pipeline::ScanMode::mask);
-    return true;
-  }
-
- protected:
-  // A trainer rank refused: the changes of this step were not recorded, so the next
-  // publication sends everything.
-  void refused() noexcept { needs_full_ = true; }
-
-  EngineConfig config_;
-  Version version_ = no_version;
+  // The next publication is full. After a pass threw (a refused optimizer state, a failed
+  // write): what its step changed is recorded nowhere. The steps stay pending.
+  void require_full() noexcept { needs_full_ = true; }
 
  private:
-  Derived& self() noexcept { return static_cast<Derived&>(*this); }
-
-  template <class Access>
-  SyncReport publish_now(Access& access, pipeline::ScanMode mode) {
-    SyncReport rep;
-    rep.version = version_ + 1;
-    rep.steps = pending_;
-    const bool full = needs_full_;
-    self().scan(access, full ? pipeline::ScanMode::all : mode,
-                rep);  // throws before anything is sent
-    version_ = rep.version;
-    pending_ = 0;
-    needs_full_ = false;
-    if (full) self().clear_masks();
-    const MessageKind kind = full               ? MessageKind::full
-                             : rep.changed == 0 ? MessageKind::noop
-                                                : MessageKind::delta;
-    rep.kind = full ? "full" : rep.changed == 0 ? "noop" : "delta";
-    self().deliver(kind, rep, access);
-    return rep;
-  }
-
+  std::int64_t every_;
   std::int64_t pending_ = 0;
-  bool needs_full_ = false;
+  bool marked_ = false;      // the dirty mask holds marked steps
+  bool needs_full_ = false;  // required since the last publication
+  bool started_ = false;     // a publication went out
 };
 
-}  // namespace detail
 }  // namespace dte

@@ -26,7 +26,7 @@
 #include <string>
 #include <vector>
 
-#include "dte/engine/message.hpp"
+#include "dte/core/message.hpp"
 #include "dte/error.hpp"
 
 namespace dte::wire {

@@ -11,8 +11,6 @@
 #include "dte/concepts.hpp"
 #include "dte/config.hpp"
 #include "dte/exec/scan.hpp"
-#include "dte/exec/simd_x86.hpp"
-#include "dte/pipeline/detect.hpp"
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -68,18 +66,6 @@ class Host {
       par(i, 0);
       ser(i, 0);
     }
-  }
-
-  // The detect stage over one piece (pipeline/detect.hpp): vectorised where this CPU and the
-  // (Kernel, Detect) pair allow, element by element otherwise; the same verdicts either way.
-  template <class Detect, class Kernel>
-  pipeline::DetectCounts detect(const Kernel& k, const pipeline::Piece& piece,
-                                pipeline::ScanMode mode, std::uint64_t* mask,
-                                std::uint64_t mask_bit, std::uint64_t* out,
-                                std::uint64_t out_bit) const noexcept {
-    pipeline::DetectCounts c;
-    if (simd::detect<Detect>(k, piece, mode, mask, mask_bit, out, out_bit, c)) return c;
-    return pipeline::detect_scalar<Detect>(k, piece, mode, mask, mask_bit, out, out_bit);
   }
 
   // out[i] = in[0] + ... + in[i - 1]; returns the total. (Sequential: the pipeline scans

@@ -2,8 +2,8 @@
 // Identity: for a trainer that already holds its weights in the HF canonical layout (no
 // Megatron: a user's own training loop with plain AdamW buffers). One trainer rank holds the
 // whole model as one flat FP32 buffer, HF tensors in canonical order (element i of the buffer
-// is canonical element i), and IdentityPlan routes it to the receivers exactly as TransferPlan
-// does for Megatron shards.
+// is canonical element i), and IdentityPlan describes that buffer as TransferPlan describes
+// Megatron shards.
 #pragma once
 
 #include <algorithm>
@@ -15,7 +15,6 @@
 #include "dte/error.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/plan.hpp"
-#include "dte/layout/serving.hpp"
 #include "dte/layout/topology.hpp"
 
 namespace dte::layout {
@@ -55,9 +54,7 @@ class IdentityPlan {
   using param_type = HfParam;
 
   // The trainer topology must be a single rank: an Identity trainer is not sharded.
-  IdentityPlan(const HfModel& hf, const TrainTopology& t, const ServingLayout& receivers,
-               std::int64_t rank)
-      : receivers_(&receivers) {
+  IdentityPlan(const HfModel& hf, const TrainTopology& t, std::int64_t rank) {
     if (t.world() != 1 || rank != 0) {
       throw invalid_argument(
           "Identity layout: the trainer holds the whole model in HF layout on "
@@ -86,13 +83,7 @@ class IdentityPlan {
     return s == nullptr ? Canonical{} : Canonical{s->param, o - s->shard_begin};
   }
 
-  template <class Emit>
-  void route(BufferKind b, std::int64_t o, Emit&& emit) const {
-    route_canonical(*receivers_, canonical(b, o), emit);
-  }
-
  private:
-  const ServingLayout* receivers_;
   Identity map_;
   std::vector<HfParam> params_;
   std::vector<PlanSegment> segments_[2];

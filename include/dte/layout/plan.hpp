@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // TransferPlan: built once per trainer rank, it says for every element of that rank's optimizer
-// shard (dense and expert buffers) which receiver elements hold it. It stores only the runs
-// where a parameter overlaps the shard (a few hundred per rank); everything else is closed form:
-// locate the run (binary search), then MegatronToHF, then the receiver layout, all O(1).
+// shard (dense and expert buffers) which canonical (HF) element it is and whether this rank sends
+// it. It stores only the runs where a parameter overlaps the shard (a few hundred per rank);
+// everything else is closed form: locate the run (binary search), then MegatronToHF, O(1). The
+// receivers that hold a canonical element are the serving layout's business (route_canonical).
 #pragma once
 
 #include <algorithm>
@@ -83,14 +84,13 @@ void route_canonical(const ServingLayout& receivers, Canonical c, Emit&& emit) {
 class TransferPlan {
  public:
   // The plan for Megatron's own buffer layout (computed from the topology).
-  TransferPlan(const HfModel& hf, const TrainTopology& t, const ServingLayout& receivers,
-               std::int64_t global_rank)
-      : TransferPlan(hf, t, receivers, global_rank, nullptr) {}
+  TransferPlan(const HfModel& hf, const TrainTopology& t, std::int64_t global_rank)
+      : TransferPlan(hf, t, global_rank, nullptr) {}
 
   // The plan for a buffer layout the trainer dumped (dte/io/buffer_layout.hpp reads it).
-  TransferPlan(const HfModel& hf, const TrainTopology& t, const ServingLayout& receivers,
-               std::int64_t global_rank, const RankBuffers& dumped)
-      : TransferPlan(hf, t, receivers, global_rank, &dumped) {}
+  TransferPlan(const HfModel& hf, const TrainTopology& t, std::int64_t global_rank,
+               const RankBuffers& dumped)
+      : TransferPlan(hf, t, global_rank, &dumped) {}
 
   [[nodiscard]] const TrainRank& rank() const noexcept { return map_.rank(); }
   [[nodiscard]] const std::vector<MegatronParam>& params() const noexcept { return params_; }
@@ -114,13 +114,6 @@ class TransferPlan {
     return map_(params_[static_cast<std::size_t>(s->param)], s->param_begin + (o - s->shard_begin));
   }
 
-  // Calls emit(RouteTarget) for every receiver element, in every replica, that holds the element
-  // at shard offset o of buffer b. Nothing for padding and for non-sending replicas.
-  template <class Emit>
-  void route(BufferKind b, std::int64_t o, Emit&& emit) const {
-    route_canonical(*receivers_, canonical(b, o), emit);
-  }
-
   // Memory this plan holds (its own tables; the model and receiver catalogues are shared).
   [[nodiscard]] std::int64_t bytes() const noexcept {
     std::int64_t n = static_cast<std::int64_t>(sizeof(*this));
@@ -132,10 +125,9 @@ class TransferPlan {
   }
 
  private:
-  TransferPlan(const HfModel& hf, const TrainTopology& t, const ServingLayout& receivers,
-               std::int64_t global_rank, const RankBuffers* dumped)
-      : receivers_(&receivers),
-        map_(hf, t, train_rank(t, global_rank)),
+  TransferPlan(const HfModel& hf, const TrainTopology& t, std::int64_t global_rank,
+               const RankBuffers* dumped)
+      : map_(hf, t, train_rank(t, global_rank)),
         params_(megatron_params(hf.spec(), t, map_.rank())) {
     const RankBuffers buffers =
         dumped != nullptr ? *dumped : megatron_rank_buffers(params_, t, map_.rank());
@@ -162,7 +154,6 @@ class TransferPlan {
     }
   }
 
-  const ServingLayout* receivers_;
   MegatronToHF map_;
   std::vector<MegatronParam> params_;
   std::vector<PlanSegment> segments_[2];

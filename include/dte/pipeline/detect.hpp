@@ -7,8 +7,9 @@
 // No per-element index map: the digest uses the run's canonical base.
 //
 // The rule is the per-element functors (Inverse::kernel, Detect::classify, element_digest);
-// this file applies them element by element, and exec/simd_x86.hpp applies the same rules eight
-// or sixteen elements at a time where the CPU allows it (tests compare the two bit for bit).
+// this file applies them element by element, and pipeline/detect_vector.hpp applies the same
+// rules eight or sixteen elements at a time where the CPU allows it (tests compare the two bit
+// for bit) and chooses between the two (pipeline::detect).
 #pragma once
 
 #include <cstddef>
@@ -16,7 +17,7 @@
 
 #include "dte/concepts.hpp"
 #include "dte/config.hpp"
-#include "dte/engine/digest.hpp"
+#include "dte/core/digest.hpp"
 #include "dte/reconstruction.hpp"
 
 namespace dte::pipeline {
@@ -164,16 +165,6 @@ DetectCounts detect_scalar(const Kernel& k, const Piece& piece, ScanMode mode, s
     }
   }
   return c;
-}
-
-// The stage as the engine calls it: on the executor, which runs the vectorised kernel where one
-// exists for (Kernel, Detect) and the CPU has the instructions (exec/simd_x86.hpp), and
-// detect_scalar otherwise.
-template <change_detector Detect, executor Exec, class Kernel>
-DetectCounts detect(const Exec& exec, const Kernel& k, const Piece& piece, ScanMode mode,
-                    std::uint64_t* mask, std::uint64_t mask_bit, std::uint64_t* out,
-                    std::uint64_t out_bit) noexcept {
-  return exec.template detect<Detect>(k, piece, mode, mask, mask_bit, out, out_bit);
 }
 
 }  // namespace dte::pipeline

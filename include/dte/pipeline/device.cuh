@@ -43,7 +43,7 @@
 #include <vector>
 
 #include "dte/concepts.hpp"
-#include "dte/engine/digest.hpp"
+#include "dte/core/digest.hpp"
 #include "dte/exec/cuda.cuh"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/plan.hpp"
@@ -587,8 +587,8 @@ class SenderPipeline {
       : hf_(&hf),
         rank_(rank),
         receivers_(static_cast<std::size_t>(receivers.topology().ranks())),
-        plan_(hf, train, receivers, rank),
-        table_(plan_, hf, receivers),
+        plan_(hf, train, rank),
+        table_(plan_, hf, &receivers),
         exec_(e) {
     for (layout::BufferKind b : buffers) {
       const int x = static_cast<int>(b);

@@ -1,9 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 // The affine pieces of one trainer rank's shard, built once from its transfer plan: maximal
-// ranges of shard offsets inside one plan segment where the canonical index and the index in
-// every receiver tensor that holds the element all advance by one per element. The pipeline
-// stages work on them: detect digests a run with its canonical base (no per-element map), and
-// route maps a changed offset to its receivers with one subtraction per target.
+// ranges of shard offsets inside one plan segment where the canonical index, and the index in
+// every receiver tensor that holds the element when the table routes to receivers, all advance
+// by one per element. The pipeline stages work on them: detect digests a run with its canonical
+// base (no per-element map), and route maps a changed offset to its receivers with one
+// subtraction per target. A table without receivers (a sender writing canonical chunks) has
+// runs only as fine as the canonical mapping needs, and no targets.
 #pragma once
 
 #include <algorithm>
@@ -42,10 +44,11 @@ class RunTable {
  public:
   RunTable() = default;
 
-  // plan: a TransferPlan or IdentityPlan (segments, params, mapping). Receiver indices must fit
-  // 32 bits (they do for every receiver tensor of the supported models: checked here).
+  // plan: a TransferPlan or IdentityPlan (segments, params, mapping); receivers: the serving
+  // layout every run's targets are in, or null for none. Receiver indices must fit 32 bits (they
+  // do for every receiver tensor of the supported models: checked here).
   template <class Plan>
-  RunTable(const Plan& plan, const layout::HfModel& hf, const layout::ServingLayout& receivers) {
+  RunTable(const Plan& plan, const layout::HfModel& hf, const layout::ServingLayout* receivers) {
     for (layout::BufferKind b : {layout::BufferKind::dense, layout::BufferKind::expert}) {
       std::vector<Run>& out = runs_[static_cast<int>(b)];
       const auto& segs = plan.segments(b);
@@ -62,11 +65,12 @@ class RunTable {
             // key of consecutive elements is then the base key plus one per element)
             const std::int64_t g = hf[c.tensor].base + c.index;
             const std::int64_t to_2_32 = (std::int64_t{1} << 32) - (g & 0xFFFFFFFFll);
-            n = std::min({n, hf[c.tensor].numel() - c.index, receivers.contiguous(c), to_2_32});
+            n = std::min({n, hf[c.tensor].numel() - c.index, to_2_32});
+            if (receivers != nullptr) n = std::min(n, receivers->contiguous(c));
             r.length = n;
             r.tensor = static_cast<std::int32_t>(c.tensor);
             r.canonical = g;
-            if (s.sender) add_targets(r, c, n, receivers);
+            if (s.sender && receivers != nullptr) add_targets(r, c, n, *receivers);
           }
           append(out, r);
           pos += n;

@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // publication::Publisher: one trainer that holds the whole model in HF layout (a PyTorch model,
 // a user's own loop: the Identity layout) publishes self-contained messages
-// (publication/message.hpp) instead of sending to receivers it knows. The pipeline is the
-// engine's (engine/sender.hpp: validate, reconstruct, detect with the guard band, compact, the
-// K-step dirty mask); its elements go out in canonical coordinates into chunks, as for storage.
+// (publication/message.hpp) instead of sending to receivers it knows. The sender frame is the
+// engine's (pipeline/frame.hpp: validate, reconstruct, detect with the guard band, compact, the
+// K-step dirty mask); its sink is storage's chunk sink, in memory.
 //
 // One publication, top to bottom:
 //   1. the kind: full for the first one, after any refusal or failure (nothing is known about
@@ -25,14 +25,15 @@
 #include <vector>
 
 #include "dte/concepts.hpp"
-#include "dte/engine/digest.hpp"
-#include "dte/engine/sender.hpp"
+#include "dte/core/digest.hpp"
+#include "dte/engine/schedule.hpp"
 #include "dte/error.hpp"
 #include "dte/exec/host.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/identity.hpp"
-#include "dte/layout/serving.hpp"
+#include "dte/pipeline/frame.hpp"
 #include "dte/publication/message.hpp"
+#include "dte/storage/chunk_sink.hpp"
 #include "dte/storage/publisher.hpp"
 
 namespace dte::publication {
@@ -87,14 +88,14 @@ struct PublishReport {
 template <optimizer_inverse Inverse, change_detector Detect>
 class Publisher {
  public:
-  using Sender = SenderRank<Inverse, Detect, layout::IdentityPlan, HostExecutor>;
+  using Sender = SenderFrame<Inverse, Detect, layout::IdentityPlan, HostExecutor>;
 
   Publisher(const layout::ModelSpec& model, PublisherConfig cfg = {}, HostExecutor exec = {})
       : spec_(named_by_structure(model)),
         hf_(spec_),
-        canonical_(hf_, layout::InferTopology{}),
         cfg_(checked(cfg)),
-        sender_(hf_, layout::TrainTopology{}, canonical_, 0, cfg.publish_every > 1, exec) {}
+        schedule_(cfg_.publish_every),
+        sender_(hf_, layout::TrainTopology{}, nullptr, 0, schedule_.keeps_mask(), exec) {}
 
   Publisher(const Publisher&) = delete;
   Publisher& operator=(const Publisher&) = delete;
@@ -109,15 +110,14 @@ class Publisher {
   // changes ORed into the dirty mask). A refusal throws; the next publication is then full.
   template <class Access>
   std::optional<Bytes> step(const Access& access) {
-    if (pending_ + 1 < cfg_.publish_every) {
+    if (!schedule_.step()) {
       try {
-        (void)sender_.scan_canonical(access, pipeline::ScanMode::mark, [](auto, auto, auto) {});
+        (void)sender_.mark(access);
       } catch (...) {
-        need_full_ = true;
+        schedule_.require_full();
         throw;
       }
-      ++pending_;
-      marked_ = true;
+      schedule_.marked();
       return std::nullopt;
     }
     return publish(access, false);
@@ -128,30 +128,25 @@ class Publisher {
   template <class Access>
   Bytes publish(const Access& access, bool want_full) {
     const auto t0 = std::chrono::steady_clock::now();
-    const bool full = want_full || need_full_ || version_ == 0;
+    const PublicationSchedule::Pass pass = schedule_.next(want_full);
+    const bool full = pass.full();
     const Version v = version_ + 1;
     const Version base = full ? no_version : version_;
-    const pipeline::ScanMode mode = full      ? pipeline::ScanMode::all
-                                    : marked_ ? pipeline::ScanMode::mask
-                                              : pipeline::ScanMode::detect;
     std::vector<Bytes> blobs;
     ScanResult scan;
     storage::Manifest m;
     try {
       sender_.check_trainer(access);
-      storage::detail::ChunkSink<false, storage::detail::ChunkMemory> sink(
-          hf_, {v, base, 0, 0}, cfg_.zstd_level, cfg_.chunk_entries, {&blobs, full});
-      scan = sender_.scan_canonical(access, mode, sink);
-      sink.flush();
+      storage::ChunkSink<false, storage::ChunkMemory> sink(hf_, {v, base, 0, 0}, cfg_.zstd_level,
+                                                           cfg_.chunk_entries, {&blobs, full});
+      scan = sender_.scan(access, pass.mode, sink);
       m.chunks = sink.written();
     } catch (...) {
-      need_full_ = true;
+      schedule_.require_full();
       throw;
     }
-    if (mode != pipeline::ScanMode::detect) sender_.clear_masks();
-    marked_ = false;
-    pending_ = 0;
-    need_full_ = false;
+    if (pass.clears_masks()) sender_.clear_masks();
+    schedule_.published();
     m.model = spec_.name;
     m.version = v;
     m.base = base;
@@ -176,7 +171,7 @@ class Publisher {
   }
 
   // The next publication is full whatever happens (the caller lost track of the steps).
-  void require_full() noexcept { need_full_ = true; }
+  void require_full() noexcept { schedule_.require_full(); }
 
   // A trainer that restarted (resumed from a checkpoint) continues the numbering of the run its
   // receivers and storage root follow: the first publication is then v + 1 (full), which they
@@ -193,7 +188,7 @@ class Publisher {
                          " is at or above the largest a manifest holds (2^62)");
     }
     version_ = v;
-    need_full_ = true;
+    schedule_.require_full();
   }
 
  private:
@@ -208,15 +203,12 @@ class Publisher {
 
   layout::ModelSpec spec_;
   layout::HfModel hf_;
-  layout::ServingLayout canonical_;  // the plan's receiver side; only the runs are used
   PublisherConfig cfg_;
+  PublicationSchedule schedule_;
   Sender sender_;
   Version version_ = 0;
   std::vector<Digest> digest_;
   PublishReport last_;
-  std::int64_t pending_ = 0;
-  bool marked_ = false;
-  bool need_full_ = false;
 };
 
 }  // namespace dte::publication

@@ -29,7 +29,7 @@
 #include <string>
 #include <vector>
 
-#include "dte/engine/digest.hpp"
+#include "dte/core/digest.hpp"
 #include "dte/engine/receiver.hpp"
 #include "dte/engine/wire.hpp"
 #include "dte/error.hpp"

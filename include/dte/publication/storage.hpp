@@ -24,6 +24,7 @@
 #include "dte/io/file.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/publication/message.hpp"
+#include "dte/storage/chunk_sink.hpp"
 #include "dte/storage/layout.hpp"
 #include "dte/storage/manifest.hpp"
 #include "dte/storage/publisher.hpp"
@@ -148,13 +149,13 @@ class StorageSource {
   // chunks of at most 2^24 elements (a tensor larger than that spans several).
   [[nodiscard]] Bytes anchor_message(const storage::Manifest& anchor) const {
     std::vector<Bytes> blobs;
-    storage::detail::ChunkSink<false, storage::detail::ChunkMemory> sink(
-        hf_, {anchor.version, no_version, 0, 0}, 1, std::uint64_t{1} << 24, {&blobs, true});
+    storage::ChunkSink<false, storage::ChunkMemory> sink(hf_, {anchor.version, no_version, 0, 0}, 1,
+                                                         std::uint64_t{1} << 24, {&blobs, true});
     (void)storage::read_anchor(hf_, storage::version_dir(root_, anchor.version), anchor,
                                [&](std::int64_t t, const auto& bits) {
                                  for (std::size_t i = 0; i < bits.size(); ++i)
-                                   sink(static_cast<std::uint32_t>(t),
-                                        static_cast<std::uint32_t>(i), bits[i]);
+                                   sink.put(static_cast<std::uint32_t>(t),
+                                            static_cast<std::uint32_t>(i), bits[i]);
                                });
     sink.flush();
     storage::Manifest m = anchor;

@@ -33,8 +33,8 @@
 #include <utility>
 #include <vector>
 
-#include "dte/engine/digest.hpp"
-#include "dte/engine/message.hpp"
+#include "dte/core/digest.hpp"
+#include "dte/core/message.hpp"
 #include "dte/error.hpp"
 #include "dte/receive/staged.hpp"
 #include "dte/storage/value_code.hpp"

@@ -15,7 +15,7 @@
 #include <span>
 #include <vector>
 
-#include "dte/engine/digest.hpp"
+#include "dte/core/digest.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/serving.hpp"
 #include "dte/receive/staged.hpp"

@@ -22,8 +22,8 @@
 #include <cstring>
 #include <vector>
 
-#include "dte/engine/digest.hpp"
-#include "dte/engine/message.hpp"
+#include "dte/core/digest.hpp"
+#include "dte/core/message.hpp"
 
 namespace dte::receive {
 

@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "dte/engine/message.hpp"
+#include "dte/core/message.hpp"
 #include "dte/engine/wire.hpp"
 #include "dte/layout/serving.hpp"
 

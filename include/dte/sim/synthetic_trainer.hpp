@@ -118,9 +118,9 @@ class NormAccumulator {
 
 class SyntheticTrainer {
  public:
-  // hf and receivers must outlive the trainer (its plans refer to them).
+  // hf must outlive the trainer (its plans refer to it).
   SyntheticTrainer(const layout::HfModel& hf, const layout::TrainTopology& topology,
-                   const layout::ServingLayout& receivers, SyntheticConfig cfg = {})
+                   SyntheticConfig cfg = {})
       : hf_(&hf), topology_(topology), cfg_(cfg) {
     validate_config();
     layout::validate(hf.spec(), topology);
@@ -128,7 +128,7 @@ class SyntheticTrainer {
     plans_.reserve(static_cast<std::size_t>(world));
     shards_.resize(static_cast<std::size_t>(world));
     for (std::int64_t g = 0; g < world; ++g) {
-      plans_.emplace_back(hf, topology, receivers, g);
+      plans_.emplace_back(hf, topology, g);
       for (layout::BufferKind b : kinds) {
         const auto n = static_cast<std::size_t>(plans_.back().shard_size(b));
         Shard& s = shards_[static_cast<std::size_t>(g)][static_cast<int>(b)];

@@ -49,11 +49,12 @@
 #include <vector>
 
 #include "dte/bounds.hpp"
-#include "dte/engine/message.hpp"
+#include "dte/core/message.hpp"
 #include "dte/error.hpp"
 #include "dte/io/safetensors.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/storage/class_index.hpp"
+#include "dte/storage/gap_code.hpp"
 #include "dte/storage/value_code.hpp"
 
 namespace dte::storage {
@@ -151,62 +152,6 @@ struct Chunk {
 // xxh3-64 of a chunk's bytes, as the manifest records it.
 inline std::uint64_t checksum(std::span<const std::byte> bytes) noexcept {
   return XXH3_64bits(bytes.data(), bytes.size());
-}
-
-// ---- The index gap code ----
-
-// Appends the gap code of `sorted` (strictly increasing): the first index itself, then each
-// index minus the previous minus one; below 255 one byte, below 65535 the byte 255 and two
-// bytes, else 255, 0xFFFF and four bytes (little-endian).
-inline void put_gaps(std::span<const std::uint32_t> sorted, std::vector<std::uint8_t>& out) {
-  std::uint64_t next = 0;  // the smallest index the next one may be
-  for (std::size_t k = 0; k < sorted.size(); ++k) {
-    if (sorted[k] < next) {
-      throw invalid_argument("dte::storage::put_gaps: index " + std::to_string(sorted[k]) +
-                             " at position " + std::to_string(k) +
-                             " does not follow the previous one; sort and deduplicate first");
-    }
-    detail::put_gap(sorted[k] - next, out);
-    next = std::uint64_t{sorted[k]} + 1;
-  }
-}
-
-// Decodes exactly `count` indices from `in` (every byte used), each below `numel`; format_error
-// naming `where` otherwise.
-inline void get_gaps(std::span<const std::uint8_t> in, std::uint64_t count, std::uint64_t numel,
-                     const std::string& where, std::vector<std::uint32_t>& out) {
-  if (count > in.size()) {
-    throw format_error(where + ": " + std::to_string(count) + " values but only " +
-                       std::to_string(in.size()) + " index bytes (each index takes at least one)");
-  }
-  std::size_t at = 0;
-  detail::take_gaps<std::uint32_t>(
-      in, at, count, numel,
-      [&](detail::GapFault f, std::uint64_t k, std::uint64_t v) {
-        if (f == detail::GapFault::ends) {
-          throw format_error(where + ": the index stream ends after " + std::to_string(k) + " of " +
-                             std::to_string(count) + " indices");
-        }
-        if (f == detail::GapFault::escape_ends) {
-          throw format_error(where + ": index " + std::to_string(k) +
-                             " is escaped but the stream ends inside its " + std::to_string(v) +
-                             " bytes");
-        }
-        throw format_error(where + ": index " + std::to_string(v) + " (entry " + std::to_string(k) +
-                           ") is outside the tensor's " + std::to_string(numel) + " elements");
-      },
-      out);
-  if (at != in.size()) {
-    throw format_error(where + ": " + std::to_string(in.size() - at) +
-                       " bytes follow the last of the " + std::to_string(count) + " indices");
-  }
-}
-
-inline std::vector<std::uint32_t> get_gaps(std::span<const std::uint8_t> in, std::uint64_t count,
-                                           std::uint64_t numel, const std::string& where) {
-  std::vector<std::uint32_t> out;
-  get_gaps(in, count, numel, where, out);
-  return out;
 }
 
 namespace detail {

@@ -56,6 +56,7 @@
 
 #include "dte/config.hpp"
 #include "dte/error.hpp"
+#include "dte/storage/gap_code.hpp"
 
 namespace dte::storage {
 
@@ -109,83 +110,12 @@ inline std::vector<DomainGroup> group_runs(
 
 namespace detail {
 
-// One gap of the gap code (storage::put_gaps): below 255 one byte, below 65535 the byte 255 and
-// two bytes, else 255, 0xFFFF and four bytes (little-endian).
-inline void put_gap(std::uint64_t gap, std::vector<std::uint8_t>& out) {
-  if (gap < 255) {
-    out.push_back(static_cast<std::uint8_t>(gap));
-    return;
-  }
-  out.push_back(255);
-  const std::uint64_t wide = gap < 65535 ? gap : 65535;
-  out.push_back(static_cast<std::uint8_t>(wide));
-  out.push_back(static_cast<std::uint8_t>(wide >> 8));
-  if (wide == 65535) {
-    for (int b = 0; b < 4; ++b)
-      out.push_back(static_cast<std::uint8_t>(gap >> (8 * b)));
-  }
-}
-
-// What take_gaps found wrong.
-enum class GapFault { ends, escape_ends, past_limit };
-
-// Reads `count` values of the gap code from in[at...] (advancing at), each below `limit`, as T,
-// into out (replacing what it held); fail(fault, entry, value) throws: value is the escape's
-// byte count for escape_ends, the value for past_limit.
-template <class T, class Fail>
-void take_gaps(std::span<const std::uint8_t> in, std::size_t& at, std::uint64_t count,
-               std::uint64_t limit, Fail&& fail, std::vector<T>& out) {
-  out.resize(static_cast<std::size_t>(count));
-  T* const o = out.data();
-  const auto fixed = [&](int bytes, std::uint64_t k) {
-    if (in.size() - at < static_cast<std::size_t>(bytes)) {
-      fail(GapFault::escape_ends, k, static_cast<std::uint64_t>(bytes));
-    }
-    std::uint64_t v = 0;
-    for (int b = 0; b < bytes; ++b)
-      v |= std::uint64_t{in[at++]} << (8 * b);
-    return v;
-  };
-  std::uint64_t next = 0;
-  for (std::uint64_t k = 0; k < count; ++k) {
-    if (at >= in.size()) fail(GapFault::ends, k, 0);
-    std::uint64_t gap = in[at++];
-    if (gap == 255) {
-      gap = fixed(2, k);
-      if (gap == 65535) gap = fixed(4, k);
-    }
-    const std::uint64_t v = next + gap;
-    if (v >= limit) fail(GapFault::past_limit, k, v);
-    o[k] = static_cast<T>(v);
-    next = v + 1;
-  }
-}
-
-template <class T, class Fail>
-std::vector<T> take_gaps(std::span<const std::uint8_t> in, std::size_t& at, std::uint64_t count,
-                         std::uint64_t limit, Fail&& fail) {
-  std::vector<T> out;
-  take_gaps<T>(in, at, count, limit, std::forward<Fail>(fail), out);
-  return out;
-}
-
 inline void put_varint(std::uint64_t v, std::vector<std::uint8_t>& out) {
   while (v >= 0x80) {
     out.push_back(static_cast<std::uint8_t>(v | 0x80));
     v >>= 7;
   }
   out.push_back(static_cast<std::uint8_t>(v));
-}
-
-// The gaps of strictly increasing `v` (the first value, then each minus the previous minus
-// one).
-template <class F>
-void for_each_gap(std::span<const std::uint32_t> v, F&& f) {
-  std::uint64_t next = 0;
-  for (const std::uint32_t x : v) {
-    f(x - next);
-    next = std::uint64_t{x} + 1;
-  }
 }
 
 // The bits of the Rice codes of the gaps of `v` with parameter r.

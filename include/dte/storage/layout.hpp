@@ -18,7 +18,7 @@
 #include <string_view>
 #include <vector>
 
-#include "dte/engine/message.hpp"
+#include "dte/core/message.hpp"
 #include "dte/error.hpp"
 #include "dte/io/file.hpp"
 #include "dte/storage/manifest.hpp"
@@ -27,6 +27,20 @@ namespace dte::storage {
 
 inline constexpr std::string_view latest_name = "LATEST";
 inline constexpr std::string_view manifest_name = "manifest.json";
+
+// The chunk and shard file names of a version directory.
+inline std::string chunk_file_name(std::uint32_t chunk, std::uint32_t writer) {
+  return "c" + std::to_string(chunk) + "-w" + std::to_string(writer) + ".zst";
+}
+inline std::string anchor_part_name(std::uint32_t chunk, std::uint32_t writer) {
+  return "anchor-part-c" + std::to_string(chunk) + "-w" + std::to_string(writer) + ".zst";
+}
+inline std::string shard_file_name(std::size_t k, std::size_t n) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "model-%05zu-of-%05zu.safetensors", k + 1, n);
+  return buf;
+}
+inline constexpr std::string_view hf_index_name = "model.safetensors.index.json";
 
 // "v00000000000000000012" for version 12.
 inline std::string version_dir_name(Version v) {

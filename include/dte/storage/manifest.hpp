@@ -26,8 +26,8 @@
 #include <nlohmann/json.hpp>
 
 #include "dte/bounds.hpp"
-#include "dte/engine/digest.hpp"
-#include "dte/engine/message.hpp"
+#include "dte/core/digest.hpp"
+#include "dte/core/message.hpp"
 #include "dte/error.hpp"
 #include "dte/io/file.hpp"
 #include "dte/io/json.hpp"

@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // storage::Publisher: one per trainer rank, publishing versions to shared storage instead of to
-// receivers over a communicator (docs/storage.md). The pipeline is the engine's
-// (engine/sender.hpp): detect and compact are the same stages; instead of route and encode, every
-// element to send goes out in canonical coordinates (HF tensor, index in the unsharded tensor, BF16
-// bits) into chunks of bounded size, each written atomically as it fills.
+// receivers over a communicator (docs/storage.md). The sender frame is the engine's
+// (pipeline/frame.hpp: detect and compact); its sink is the chunk sink (storage/chunk_sink.hpp):
+// every element to send goes out in canonical coordinates (HF tensor, index in the unsharded
+// tensor, BF16 bits) into chunks of bounded size, each written atomically as it fills.
 //
 // One publication, top to bottom (every writer rank calls the same method):
 //   1. rank 0 reads LATEST; the world agrees on the version V = LATEST + 1, and on whether V is
@@ -40,21 +40,23 @@
 #include <nlohmann/json.hpp>
 
 #include "dte/concepts.hpp"
-#include "dte/engine/digest.hpp"
-#include "dte/engine/sender.hpp"
+#include "dte/core/digest.hpp"
+#include "dte/engine/schedule.hpp"
 #include "dte/error.hpp"
 #include "dte/exec/host.hpp"
 #include "dte/io/file.hpp"
 #include "dte/io/safetensors.hpp"
 #include "dte/layout/hf.hpp"
-#include "dte/layout/serving.hpp"
 #include "dte/layout/topology.hpp"
+#include "dte/pipeline/frame.hpp"
 #include "dte/storage/chunk.hpp"
+#include "dte/storage/chunk_sink.hpp"
 #include "dte/storage/layout.hpp"
 #include "dte/storage/manifest.hpp"
 #include "dte/storage/read.hpp"
 #include "dte/storage/retention.hpp"
 #include "dte/storage/shard_base.hpp"
+#include "dte/transport/collective.hpp"
 
 namespace dte::storage {
 
@@ -92,176 +94,7 @@ struct PublishReport {
   [[nodiscard]] bool anchor() const noexcept { return base == no_version; }
 };
 
-// The chunk and shard file names of a version directory.
-inline std::string chunk_file_name(std::uint32_t chunk, std::uint32_t writer) {
-  return "c" + std::to_string(chunk) + "-w" + std::to_string(writer) + ".zst";
-}
-inline std::string anchor_part_name(std::uint32_t chunk, std::uint32_t writer) {
-  return "anchor-part-c" + std::to_string(chunk) + "-w" + std::to_string(writer) + ".zst";
-}
-inline std::string shard_file_name(std::size_t k, std::size_t n) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "model-%05zu-of-%05zu.safetensors", k + 1, n);
-  return buf;
-}
-inline constexpr std::string_view hf_index_name = "model.safetensors.index.json";
-
 namespace detail {
-
-// Where a ChunkSink's finished chunks go: into the version directory, as the storage publisher
-// writes them (an anchor's as parts rank 0 assembles). Returns the manifest's entry for it.
-struct ChunkFiles {
-  std::filesystem::path dir;
-  bool anchor = false;
-  ChunkEntry operator()(std::uint32_t chunk, std::uint32_t writer,
-                        std::vector<std::byte> bytes) const {
-    const std::string name =
-        anchor ? anchor_part_name(chunk, writer) : chunk_file_name(chunk, writer);
-    io::write_file_atomic(dir / name, bytes, "chunk");
-    return {name, bytes.size(), checksum(bytes), chunk, writer};
-  }
-};
-
-// ... or kept in memory, in order: a publication message's chunks (publication/message.hpp).
-struct ChunkMemory {
-  std::vector<std::vector<std::byte>>* blobs;
-  bool anchor = false;
-  ChunkEntry operator()(std::uint32_t chunk, std::uint32_t writer,
-                        std::vector<std::byte> bytes) const {
-    ChunkEntry e{anchor ? anchor_part_name(chunk, writer) : chunk_file_name(chunk, writer),
-                 bytes.size(), checksum(bytes), chunk, writer};
-    blobs->push_back(std::move(bytes));
-    return e;
-  }
-};
-
-// One writer's chunks of one version, filled in shard order by the pipeline's emitter and handed
-// to `store` (ChunkFiles or ChunkMemory) as each fills. Diff: every changed element goes into a
-// diff chunk (storage/value_code.hpp): its step from the previous bits where the reconstruction
-// knows those for certain, its near code where it knows them to within a few patterns (the
-// guard band's elements: 12 % of those sent at lr 2e-7 in a dte simulate run); the rare others (a
-// step of 32766 ulps or more, a reconstruction without bounds) into a value chunk beside it.
-// classes (diff only): the diff chunks' indices as class indices (storage/class_index.hpp)
-// against this rank's shard; the value chunk's positions are their skips.
-template <bool Diff, class Store>
-class ChunkSink {
- public:
-  ChunkSink(const layout::HfModel& hf, ChunkHeader header, int zstd_level,
-            std::uint64_t chunk_entries, Store store, const ShardBase* classes = nullptr)
-      : hf_(&hf),
-        header_(header),
-        level_(zstd_level),
-        limit_(chunk_entries),
-        store_(std::move(store)),
-        classes_(Diff ? classes : nullptr) {
-    for (Open& o : open_)
-      o.tensors.resize(static_cast<std::size_t>(hf.size()));
-    if (classes_ != nullptr) valued_.resize(static_cast<std::size_t>(hf.size()));
-  }
-
-  // (wants_base: the sender passes what each element's previous bits can be)
-  static constexpr bool wants_base = Diff;
-
-  void operator()(std::uint32_t tensor, std::uint32_t index, std::uint16_t bits) {
-    add(open_[0], tensor, index, bits);
-  }
-  void operator()(std::uint32_t tensor, std::uint32_t index, std::uint16_t bits,
-                  const PreviousBits& previous) {
-    if (previous.certain && diff_fits(previous.bits, bits)) {
-      add(open_[1], tensor, index, diff_code(previous.bits, bits), value_class(previous.bits));
-    } else if (!previous.certain && previous.bounded && near_fits(previous.lo, previous.hi, bits)) {
-      add(open_[1], tensor, index, near_code(bits), class_between(previous.lo, previous.hi));
-    } else {
-      if (classes_ != nullptr) valued_[tensor].push_back(index);
-      add(open_[0], tensor, index, bits);
-    }
-  }
-
-  // Writes the open chunks (nothing for an empty one).
-  void flush() {
-    write(open_[0], Encoding::value);
-    write(open_[1], Encoding::diff);
-  }
-
-  [[nodiscard]] const std::vector<ChunkEntry>& written() const noexcept { return written_; }
-  [[nodiscard]] Store& store() noexcept { return store_; }
-
- private:
-  struct Open {
-    std::vector<TensorDelta> tensors;  // per HF tensor
-    std::vector<std::uint32_t> touched;
-    std::uint64_t pending = 0;
-  };
-
-  void add(Open& o, std::uint32_t tensor, std::uint32_t index, std::uint16_t bits, int cls = 0) {
-    TensorDelta& d = o.tensors[tensor];
-    if (d.index.empty()) o.touched.push_back(tensor);
-    d.index.push_back(index);
-    d.bits.push_back(bits);
-    if (classes_ != nullptr && &o == &open_[1]) d.cls.push_back(static_cast<std::int16_t>(cls));
-    if (++o.pending >= limit_) flush();
-  }
-
-  void write(Open& o, Encoding encoding) {
-    if (o.pending == 0) return;
-    Chunk c;
-    c.header = header_;
-    c.header.chunk = static_cast<std::uint32_t>(written_.size());
-    c.encoding = encoding;
-    const bool classed = classes_ != nullptr && encoding == Encoding::diff;
-    c.index = classed ? IndexCode::classes : IndexCode::plain;
-    std::sort(o.touched.begin(), o.touched.end());
-    for (std::uint32_t t : o.touched) {
-      TensorDelta& d = o.tensors[t];
-      d.tensor = t;
-      if (classed) {
-        // (ShardBase checked that elements arrive in index order; every value-chunk element up
-        // to this entry's last index has therefore arrived)
-        d.domain = classes_->domain(t, d.index.front(), d.index.back());
-        auto& v = valued_[t];
-        const auto from = std::lower_bound(v.begin(), v.end(), d.index.front());
-        const auto to = std::upper_bound(from, v.end(), d.index.back());
-        d.skip.assign(from, to);
-        v.erase(v.begin(), to);
-      } else {
-        sort_by_index(d);
-      }
-      c.tensors.push_back(std::move(d));
-      d = TensorDelta{};
-    }
-    o.touched.clear();
-    o.pending = 0;
-    written_.push_back(store_(c.header.chunk, c.header.writer,
-                              encode_chunk(*hf_, c, level_, classed ? classes_ : nullptr)));
-  }
-
-  // A writer's elements of one tensor arrive in shard order, which is index order for every
-  // layout dte knows; sort when it is not.
-  static void sort_by_index(TensorDelta& d) {
-    if (std::is_sorted(d.index.begin(), d.index.end())) return;
-    std::vector<std::uint32_t> order(d.index.size());
-    std::iota(order.begin(), order.end(), 0u);
-    std::sort(order.begin(), order.end(),
-              [&](std::uint32_t a, std::uint32_t b) { return d.index[a] < d.index[b]; });
-    TensorDelta s;
-    for (std::uint32_t k : order) {
-      s.index.push_back(d.index[k]);
-      s.bits.push_back(d.bits[k]);
-    }
-    d.index = std::move(s.index);
-    d.bits = std::move(s.bits);
-  }
-
-  const layout::HfModel* hf_;
-  ChunkHeader header_;
-  int level_;
-  std::uint64_t limit_;
-  Store store_;
-  const ShardBase* classes_;
-  std::vector<std::vector<std::uint32_t>> valued_;  // classes: per tensor, value-chunk indices
-  Open open_[2];                                    // value, diff
-  std::vector<ChunkEntry> written_;
-};
 
 inline std::uint64_t file_size(const std::filesystem::path& p) {
   std::error_code ec;
@@ -451,17 +284,17 @@ template <optimizer_inverse Inverse, change_detector Detect, layout_mapping Layo
 requires transfer_plan<typename Layout::plan_type>
 class Publisher {
  public:
-  using Sender = SenderRank<Inverse, Detect, typename Layout::plan_type, HostExecutor>;
+  using Sender = SenderFrame<Inverse, Detect, typename Layout::plan_type, HostExecutor>;
 
   // One writer rank of `world` (its senders are the trainer ranks; it has no receivers).
   Publisher(const layout::HfModel& hf, const layout::TrainTopology& train,
             std::filesystem::path root, PublisherConfig cfg, World& world, HostExecutor exec = {})
       : hf_(&hf),
-        canonical_(hf, layout::InferTopology{}),
         root_(std::move(root)),
         cfg_(checked(cfg)),
         world_(&world),
-        sender_(hf, train, canonical_, world.rank(), cfg.publish_every > 1, exec) {
+        schedule_(cfg_.publish_every),
+        sender_(hf, train, nullptr, world.rank(), schedule_.keeps_mask(), exec) {
     if (cfg_.index == IndexCode::classes) ShardBase::check_order(hf, sender_.runs());
     if (world.senders() != train.world() || world.receivers() != 0) {
       throw invalid_argument(
@@ -490,24 +323,23 @@ class Publisher {
   // between publications, ORs the step's changes into the dirty mask.
   template <class Access>
   std::optional<PublishReport> step(const Access& access) {
-    ++steps_;
-    if (steps_ % cfg_.publish_every != 0) {
-      (void)sender_.scan_canonical(access, pipeline::ScanMode::mark, [](auto, auto, auto) {});
-      marked_ = true;
+    if (!schedule_.step()) {
+      try {
+        (void)sender_.mark(access);
+      } catch (...) {
+        schedule_.require_full();
+        throw;
+      }
+      schedule_.marked();
       return std::nullopt;
     }
-    stepped_once_ = steps_ == published_step_ + 1;
-    PublishReport rep = publish(access);
-    published_step_ = steps_;
-    return rep;
+    return publish_version(access, false);
   }
 
   // Publishes now: a delta of what changed since the last publication, or an anchor.
   template <class Access>
   PublishReport publish(const Access& access) {
-    PublishReport rep = publish_version(access, false);
-    stepped_once_ = false;
-    return rep;
+    return publish_version(access, false);
   }
 
   // Publishes an anchor now.
@@ -534,17 +366,14 @@ class Publisher {
  private:
   // Every rank passes its error (empty: none); throws on every rank when any failed.
   void agree(const std::string& mine, const char* phase) {
-    const auto n = static_cast<std::size_t>(world_->senders());
-    std::vector<std::uint64_t> failed(n, 0);
-    if (!mine.empty()) failed[static_cast<std::size_t>(world_->rank())] = 1;
-    world_->sum(failed, phase);
-    const auto first = std::find(failed.begin(), failed.end(), 1u);
-    if (first == failed.end()) return;
-    need_anchor_ = true;
-    const auto who = first - failed.begin();
-    throw io_error("storage publication failed on writer " + std::to_string(who) + " (" + phase +
-                   ")" + (mine.empty() ? "; that rank's error says why" : ": " + mine) +
-                   "; LATEST was not moved, readers keep the version they hold");
+    dte::agree(*world_, static_cast<std::size_t>(world_->senders()), world_->rank(), mine, phase,
+               [&](std::int64_t who) {
+                 schedule_.require_full();
+                 throw io_error("storage publication failed on writer " + std::to_string(who) +
+                                " (" + phase + ")" +
+                                (mine.empty() ? "; that rank's error says why" : ": " + mine) +
+                                "; LATEST was not moved, readers keep the version they hold");
+               });
   }
 
   template <class Access>
@@ -552,33 +381,39 @@ class Publisher {
     const auto t0 = std::chrono::steady_clock::now();
     const auto rank = static_cast<std::uint32_t>(world_->rank());
     const auto writers = static_cast<std::size_t>(world_->senders());
-    const auto tensors = static_cast<std::size_t>(hf_->size());
     // 1. The version, and delta or anchor.
     std::string err;
-    std::vector<std::uint64_t> head(2, 0);
+    struct Head {
+      std::uint64_t version;   // rank 0: above everything complete
+      std::uint64_t ours;      // rank 0: the newest version is the one we wrote last
+      std::uint64_t due_full;  // writers whose schedule is due a full publication (a refused mark)
+    } head{0, 0, schedule_.full_due() ? 1u : 0u};
     if (rank == 0) {
       try {
         // Above LATEST and above any complete version LATEST does not name (a writer that died
         // between its manifest and LATEST: this one holds the lock, so that writer is gone).
         const Version latest = read_latest(root_).value_or(0);
         const Version top = std::max(latest, newest_complete(root_));
-        head[0] = top + 1;
-        head[1] = top == version_ ? 1 : 0;  // the newest version is the one we wrote last
-        clear_unfinished(version_dir(root_, head[0]));
+        head.version = top + 1;
+        head.ours = top == version_ ? 1 : 0;
+        clear_unfinished(version_dir(root_, head.version));
       } catch (const std::exception& e) {
         err = e.what();
       }
     }
     agree(err, "choosing the version");
-    world_->sum(head, "choosing the version");
-    const Version v = head[0];
-    const bool anchor = want_anchor || need_anchor_ || version_ == 0 || head[1] == 0 ||
-                        (cfg_.anchor_every > 0 && v % static_cast<Version>(cfg_.anchor_every) == 0);
+    sum_fields(*world_, "choosing the version", head);
+    const Version v = head.version;
+    // (an anchor also when LATEST is not ours, when any writer is due one, and every
+    // anchor_every versions)
+    const bool anchor_due =
+        head.ours == 0 || head.due_full > 0 ||
+        (cfg_.anchor_every > 0 && v % static_cast<Version>(cfg_.anchor_every) == 0);
+    const PublicationSchedule::Pass pass = schedule_.next(want_anchor || anchor_due);
+    const bool anchor = pass.full();
     const Version base = anchor ? no_version : version_;
     const std::filesystem::path dir = version_dir(root_, v);
-    const pipeline::ScanMode mode = anchor    ? pipeline::ScanMode::all
-                                    : marked_ ? pipeline::ScanMode::mask
-                                              : pipeline::ScanMode::detect;
+    const pipeline::ScanMode mode = pass.mode;
     // 2. The staged pass, chunks written as they fill.
     ScanResult scan;
     std::vector<ChunkEntry> mine;
@@ -586,13 +421,13 @@ class Publisher {
       std::error_code ec;
       std::filesystem::create_directories(dir, ec);
       if (ec) throw io_error("cannot create '" + dir.string() + "': " + ec.message());
-      const auto pass = [&](auto& sink) {
-        scan = sender_.scan_canonical(access, mode, sink);
-        sink.flush();
+      const auto write_chunks = [&](auto& sink) {
+        scan = sender_.scan(access, mode, sink);
         mine = sink.written();
       };
-      // (diff needs the base to be the previous optimizer step: one step() since the last one)
-      if (cfg_.encoding == Encoding::diff && !anchor && stepped_once_) {
+      // (diff needs the base to be the previous optimizer step: one step since the last one;
+      // an explicit publish() after step() published covers none)
+      if (cfg_.encoding == Encoding::diff && !anchor && pass.steps == 1) {
         std::optional<ShardBase> classes;
         if (cfg_.index == IndexCode::classes) {
           classes.emplace(std::type_identity<Detect>{}, *hf_, sender_.runs(),
@@ -600,66 +435,64 @@ class Publisher {
                             return access.theta(static_cast<std::int64_t>(rank), b);
                           });
         }
-        detail::ChunkSink<true, detail::ChunkFiles> sink(*hf_, {v, base, 0, rank}, cfg_.zstd_level,
-                                                         cfg_.chunk_entries, {dir, anchor},
-                                                         classes ? &*classes : nullptr);
-        pass(sink);
+        ChunkSink<true, ChunkFiles> sink(*hf_, {v, base, 0, rank}, cfg_.zstd_level,
+                                         cfg_.chunk_entries, {dir, anchor},
+                                         classes ? &*classes : nullptr);
+        write_chunks(sink);
       } else {
-        detail::ChunkSink<false, detail::ChunkFiles> sink(*hf_, {v, base, 0, rank}, cfg_.zstd_level,
-                                                          cfg_.chunk_entries, {dir, anchor});
-        pass(sink);
+        ChunkSink<false, ChunkFiles> sink(*hf_, {v, base, 0, rank}, cfg_.zstd_level,
+                                          cfg_.chunk_entries, {dir, anchor});
+        write_chunks(sink);
       }
     } catch (const std::exception& e) {
       err = e.what();
     }
     agree(err, "writing the chunks");
-    if (mode != pipeline::ScanMode::detect) {
-      sender_.clear_masks();
-      marked_ = false;
-    }
+    if (pass.clears_masks()) sender_.clear_masks();
     // 3. Counts, digest, and every chunk's size and checksum, to every rank.
-    std::vector<std::uint64_t> sums(3 + writers + tensors,
-                                    0);  // changed, scanned, -, chunks, digest
-    sums[0] = scan.changed;
-    sums[1] = scan.scanned;
-    sums[3 + rank] = mine.size();
-    for (std::size_t t = 0; t < tensors; ++t)
-      sums[3 + writers + t] = scan.digest[t];
-    world_->sum(sums, "the chunk counts and the digest");
-    std::vector<std::uint64_t> first(writers + 1, 0);
+    struct Counts {
+      std::uint64_t changed, scanned;
+    } counts{scan.changed, scan.scanned};
+    std::vector<std::uint64_t> chunks(writers, 0);  // per writer
+    chunks[rank] = mine.size();
+    std::vector<Digest> digest = scan.digest;  // per canonical tensor
+    sum_fields(*world_, "the chunk counts and the digest", counts, chunks, digest);
+    std::vector<std::uint64_t> first(writers + 1, 0);  // each writer's first row of the table
     for (std::size_t w = 0; w < writers; ++w)
-      first[w + 1] = first[w] + sums[3 + w];
-    std::vector<std::uint64_t> table(2 * first[writers], 0);
-    for (std::size_t k = 0; k < mine.size(); ++k) {
-      table[2 * (first[rank] + k)] = mine[k].bytes;
-      table[2 * (first[rank] + k) + 1] = mine[k].xxh3;
-    }
-    world_->sum(table, "the chunk table");
+      first[w + 1] = first[w] + chunks[w];
+    struct ChunkRow {
+      std::uint64_t bytes, xxh3;
+    };
+    std::vector<ChunkRow> table(first[writers], ChunkRow{0, 0});
+    for (std::size_t k = 0; k < mine.size(); ++k)
+      table[first[rank] + k] = {mine[k].bytes, mine[k].xxh3};
+    sum_fields(*world_, "the chunk table", table);
     // 4. Rank 0: the anchor's checkpoint directory, the manifest, LATEST.
     Manifest m;
     m.model = hf_->spec().name;
     m.version = v;
     m.base = base;
     m.writers = static_cast<std::uint32_t>(writers);
-    m.changed = sums[0];
-    for (std::size_t t = 0; t < tensors; ++t)
-      m.digest.push_back(static_cast<Digest>(sums[3 + writers + t]));
-    std::vector<std::uint64_t> outcome(2, 0);  // bytes on storage, files
+    m.changed = counts.changed;
+    m.digest = digest;
+    struct Outcome {
+      std::uint64_t bytes, files;  // on storage
+    } outcome{0, 0};
     CollectReport collected;
     std::string collect_problem;
     if (rank == 0) {
       try {
         std::vector<ChunkEntry> listed;
         for (std::uint32_t w = 0; w < writers; ++w) {
-          for (std::uint64_t k = 0; k < sums[3 + w]; ++k) {
-            const std::size_t at = 2 * (first[w] + k);
+          for (std::uint64_t k = 0; k < chunks[w]; ++k) {
+            const ChunkRow& row = table[first[w] + k];
             const auto c = static_cast<std::uint32_t>(k);
-            listed.push_back({anchor ? anchor_part_name(c, w) : chunk_file_name(c, w), table[at],
-                              table[at + 1], c, w});
+            listed.push_back({anchor ? anchor_part_name(c, w) : chunk_file_name(c, w), row.bytes,
+                              row.xxh3, c, w});
           }
         }
         m.chunks = std::move(listed);
-        outcome[0] = commit_version(*hf_, root_, m, cfg_.anchor_file_bytes);
+        outcome.bytes = commit_version(*hf_, root_, m, cfg_.anchor_file_bytes);
         if (cfg_.collect) {
           // (the version is published: a failure here is reported, not a failed publication)
           try {
@@ -668,22 +501,22 @@ class Publisher {
             collect_problem = e.what();
           }
         }
-        outcome[1] = m.chunks.size();
+        outcome.files = m.chunks.size();
       } catch (const std::exception& e) {
         err = e.what();
       }
     }
     agree(err, "writing the manifest");
-    world_->sum(outcome, "the publication's size");
+    sum_fields(*world_, "the publication's size", outcome);
     version_ = v;
-    need_anchor_ = false;
+    schedule_.published();
     PublishReport rep;
     rep.version = v;
     rep.base = base;
-    rep.changed = sums[0];
-    rep.scanned = sums[1];
-    rep.files = outcome[1];
-    rep.bytes = outcome[0];
+    rep.changed = counts.changed;
+    rep.scanned = counts.scanned;
+    rep.files = outcome.files;
+    rep.bytes = outcome.bytes;
     rep.dense_bytes = 2 * static_cast<std::uint64_t>(hf_->total());
     for (Digest d : m.digest)
       rep.digest += d;
@@ -694,17 +527,12 @@ class Publisher {
   }
 
   const layout::HfModel* hf_;
-  layout::ServingLayout canonical_;  // the plan's receiver side; only the runs are used
   std::filesystem::path root_;
   PublisherConfig cfg_;
   World* world_;
+  PublicationSchedule schedule_;
   Sender sender_;
   Version version_ = 0;
-  std::int64_t steps_ = 0;
-  std::int64_t published_step_ = 0;  // steps_ at the last publication through step()
-  bool stepped_once_ = false;        // this publication follows exactly one step() (diff's base)
-  bool marked_ = false;
-  bool need_anchor_ = false;
   io::detail::FdGuard lock_{-1};  // rank 0: the root's writer lock
 };
 

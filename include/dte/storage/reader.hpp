@@ -32,7 +32,7 @@
 #include <string>
 #include <vector>
 
-#include "dte/engine/digest.hpp"
+#include "dte/core/digest.hpp"
 #include "dte/engine/receiver.hpp"
 #include "dte/error.hpp"
 #include "dte/io/safetensors.hpp"

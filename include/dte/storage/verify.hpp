@@ -16,7 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "dte/engine/digest.hpp"
+#include "dte/core/digest.hpp"
 #include "dte/error.hpp"
 #include "dte/io/json.hpp"
 #include "dte/layout/hf.hpp"

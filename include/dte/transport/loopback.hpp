@@ -28,8 +28,8 @@
 #include <vector>
 
 #include "dte/concepts.hpp"
+#include "dte/core/payload.hpp"
 #include "dte/error.hpp"
-#include "dte/transport/payload.hpp"
 
 namespace dte {
 

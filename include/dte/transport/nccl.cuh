@@ -33,11 +33,9 @@
 #include <string>
 #include <vector>
 
-#include "dte/engine/device_receiver.cuh"  // DeltaEngine over NcclTwoRound: device receivers
-#include "dte/engine/device_sender.cuh"    // and the device sender (its default executor)
+#include "dte/core/payload.hpp"
 #include "dte/error.hpp"
 #include "dte/exec/cuda.cuh"
-#include "dte/transport/payload.hpp"
 #include "dte/transport/two_round_plan.hpp"
 #include "dte/transport/watchdog.hpp"
 

@@ -1,5 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
-// Vectorised detect stages for x86-64, whatever flags the user compiles with: each instruction
+// The detect stage as the sender frame runs it (pipeline::detect, at the end): vectorised where
+// this build and CPU have a kernel for (Kernel, Detect), element by element (detect_scalar,
+// pipeline/detect.hpp) otherwise; the same verdicts either way.
+//
+// The vectorised stages for x86-64, whatever flags the user compiles with: each instruction
 // set's code lives in a region compiled for it (GCC/clang target pragmas), and the CPU is asked
 // at run time which one it may run (AVX-512F, AVX2, or none: the element-by-element stage).
 // Set DTE_SIMD=none|avx2|avx512 in the environment to cap the level (tests and benchmarks
@@ -157,7 +161,7 @@ struct V {
   }
 };
 
-#include "dte/exec/detail/detect_adam_bf16.inc"
+#include "dte/pipeline/detail/detect_adam_bf16.inc"
 
 }  // namespace dte::simd::avx2
 
@@ -252,7 +256,7 @@ struct V {
   static void store_mask(unsigned char* out, M m) noexcept { std::memcpy(out, &m, 2); }
 };
 
-#include "dte/exec/detail/detect_adam_bf16.inc"
+#include "dte/pipeline/detail/detect_adam_bf16.inc"
 
 }  // namespace dte::simd::avx512
 
@@ -296,3 +300,16 @@ bool detect(const Kernel& k, const pipeline::Piece& piece, pipeline::ScanMode mo
 }
 
 }  // namespace dte::simd
+
+namespace dte::pipeline {
+
+// One piece through the detect stage (the arguments are detect_scalar's).
+template <change_detector Detect, class Kernel>
+DetectCounts detect(const Kernel& k, const Piece& piece, ScanMode mode, std::uint64_t* mask,
+                    std::uint64_t mask_bit, std::uint64_t* out, std::uint64_t out_bit) noexcept {
+  DetectCounts c;
+  if (simd::detect<Detect>(k, piece, mode, mask, mask_bit, out, out_bit, c)) return c;
+  return detect_scalar<Detect>(k, piece, mode, mask, mask_bit, out, out_bit);
+}
+
+}  // namespace dte::pipeline

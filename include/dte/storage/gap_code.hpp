@@ -1,0 +1,149 @@
+// SPDX-License-Identifier: Apache-2.0
+// The gap code of sorted indices, as storage chunks write them (docs/storage.md): the first index
+// itself, then each index minus the previous minus one; a gap below 255 in one byte, below 65535
+// the byte 255 and two bytes, else 255, 0xFFFF and four bytes (little-endian). One writer
+// (put_gaps), one reader (detail::take_gaps: plain indices through get_gaps, the class index's
+// skips through its own stream).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dte/error.hpp"
+
+namespace dte::storage {
+
+namespace detail {
+
+// One gap of the gap code (storage::put_gaps): below 255 one byte, below 65535 the byte 255 and
+// two bytes, else 255, 0xFFFF and four bytes (little-endian).
+inline void put_gap(std::uint64_t gap, std::vector<std::uint8_t>& out) {
+  if (gap < 255) {
+    out.push_back(static_cast<std::uint8_t>(gap));
+    return;
+  }
+  out.push_back(255);
+  const std::uint64_t wide = gap < 65535 ? gap : 65535;
+  out.push_back(static_cast<std::uint8_t>(wide));
+  out.push_back(static_cast<std::uint8_t>(wide >> 8));
+  if (wide == 65535) {
+    for (int b = 0; b < 4; ++b)
+      out.push_back(static_cast<std::uint8_t>(gap >> (8 * b)));
+  }
+}
+
+// What take_gaps found wrong.
+enum class GapFault { ends, escape_ends, past_limit };
+
+// Reads `count` values of the gap code from in[at...] (advancing at), each below `limit`, as T,
+// into out (replacing what it held); fail(fault, entry, value) throws: value is the escape's
+// byte count for escape_ends, the value for past_limit.
+template <class T, class Fail>
+void take_gaps(std::span<const std::uint8_t> in, std::size_t& at, std::uint64_t count,
+               std::uint64_t limit, Fail&& fail, std::vector<T>& out) {
+  out.resize(static_cast<std::size_t>(count));
+  T* const o = out.data();
+  const auto fixed = [&](int bytes, std::uint64_t k) {
+    if (in.size() - at < static_cast<std::size_t>(bytes)) {
+      fail(GapFault::escape_ends, k, static_cast<std::uint64_t>(bytes));
+    }
+    std::uint64_t v = 0;
+    for (int b = 0; b < bytes; ++b)
+      v |= std::uint64_t{in[at++]} << (8 * b);
+    return v;
+  };
+  std::uint64_t next = 0;
+  for (std::uint64_t k = 0; k < count; ++k) {
+    if (at >= in.size()) fail(GapFault::ends, k, 0);
+    std::uint64_t gap = in[at++];
+    if (gap == 255) {
+      gap = fixed(2, k);
+      if (gap == 65535) gap = fixed(4, k);
+    }
+    const std::uint64_t v = next + gap;
+    if (v >= limit) fail(GapFault::past_limit, k, v);
+    o[k] = static_cast<T>(v);
+    next = v + 1;
+  }
+}
+
+template <class T, class Fail>
+std::vector<T> take_gaps(std::span<const std::uint8_t> in, std::size_t& at, std::uint64_t count,
+                         std::uint64_t limit, Fail&& fail) {
+  std::vector<T> out;
+  take_gaps<T>(in, at, count, limit, std::forward<Fail>(fail), out);
+  return out;
+}
+
+// The gaps of strictly increasing `v` (the first value, then each minus the previous minus
+// one).
+template <class F>
+void for_each_gap(std::span<const std::uint32_t> v, F&& f) {
+  std::uint64_t next = 0;
+  for (const std::uint32_t x : v) {
+    f(x - next);
+    next = std::uint64_t{x} + 1;
+  }
+}
+
+}  // namespace detail
+
+// Appends the gap code of `sorted` (strictly increasing): the first index itself, then each
+// index minus the previous minus one; below 255 one byte, below 65535 the byte 255 and two
+// bytes, else 255, 0xFFFF and four bytes (little-endian).
+inline void put_gaps(std::span<const std::uint32_t> sorted, std::vector<std::uint8_t>& out) {
+  std::uint64_t next = 0;  // the smallest index the next one may be
+  for (std::size_t k = 0; k < sorted.size(); ++k) {
+    if (sorted[k] < next) {
+      throw invalid_argument("dte::storage::put_gaps: index " + std::to_string(sorted[k]) +
+                             " at position " + std::to_string(k) +
+                             " does not follow the previous one; sort and deduplicate first");
+    }
+    detail::put_gap(sorted[k] - next, out);
+    next = std::uint64_t{sorted[k]} + 1;
+  }
+}
+
+// Decodes exactly `count` indices from `in` (every byte used), each below `numel`; format_error
+// naming `where` otherwise.
+inline void get_gaps(std::span<const std::uint8_t> in, std::uint64_t count, std::uint64_t numel,
+                     const std::string& where, std::vector<std::uint32_t>& out) {
+  if (count > in.size()) {
+    throw format_error(where + ": " + std::to_string(count) + " values but only " +
+                       std::to_string(in.size()) + " index bytes (each index takes at least one)");
+  }
+  std::size_t at = 0;
+  detail::take_gaps<std::uint32_t>(
+      in, at, count, numel,
+      [&](detail::GapFault f, std::uint64_t k, std::uint64_t v) {
+        if (f == detail::GapFault::ends) {
+          throw format_error(where + ": the index stream ends after " + std::to_string(k) + " of " +
+                             std::to_string(count) + " indices");
+        }
+        if (f == detail::GapFault::escape_ends) {
+          throw format_error(where + ": index " + std::to_string(k) +
+                             " is escaped but the stream ends inside its " + std::to_string(v) +
+                             " bytes");
+        }
+        throw format_error(where + ": index " + std::to_string(v) + " (entry " + std::to_string(k) +
+                           ") is outside the tensor's " + std::to_string(numel) + " elements");
+      },
+      out);
+  if (at != in.size()) {
+    throw format_error(where + ": " + std::to_string(in.size() - at) +
+                       " bytes follow the last of the " + std::to_string(count) + " indices");
+  }
+}
+
+inline std::vector<std::uint32_t> get_gaps(std::span<const std::uint8_t> in, std::uint64_t count,
+                                           std::uint64_t numel, const std::string& where) {
+  std::vector<std::uint32_t> out;
+  get_gaps(in, count, numel, where, out);
+  return out;
+}
+
+}  // namespace dte::storage
