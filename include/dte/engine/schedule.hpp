@@ -52,6 +52,18 @@ class PublicationSchedule {
   // when it marks (then the mark pass, marked()).
   [[nodiscard]] bool step() noexcept { return ++pending_ >= every_; }
   void marked() noexcept { marked_ = true; }
+  // A step that marks: runs mark_pass(); marked() when it returns, require_full() (then
+  // rethrows) when it throws.
+  template <class MarkPass>
+  void mark(MarkPass&& mark_pass) {
+    try {
+      mark_pass();
+    } catch (...) {
+      require_full();
+      throw;
+    }
+    marked();
+  }
 
   [[nodiscard]] Pass next(bool want_full = false) const noexcept {
     using pipeline::ScanMode;

@@ -111,13 +111,7 @@ class Publisher {
   template <class Access>
   std::optional<Bytes> step(const Access& access) {
     if (!schedule_.step()) {
-      try {
-        (void)sender_.mark(access);
-      } catch (...) {
-        schedule_.require_full();
-        throw;
-      }
-      schedule_.marked();
+      schedule_.mark([&] { (void)sender_.mark(access); });
       return std::nullopt;
     }
     return publish(access, false);

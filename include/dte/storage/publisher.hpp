@@ -324,13 +324,7 @@ class Publisher {
   template <class Access>
   std::optional<PublishReport> step(const Access& access) {
     if (!schedule_.step()) {
-      try {
-        (void)sender_.mark(access);
-      } catch (...) {
-        schedule_.require_full();
-        throw;
-      }
-      schedule_.marked();
+      schedule_.mark([&] { (void)sender_.mark(access); });
       return std::nullopt;
     }
     return publish_version(access, false);
