@@ -747,3 +747,99 @@ TEST_CASE("property: random files survive serialize -> parse -> serialize unchan
     CHECK_THROWS_AS(parse(longer), dte::format_error);
   }
 }
+
+// The plain-form reader (io/safetensors_header.hpp) accepts only headers the strict parser reads
+// the same way: over every single-byte mutation of writer-made headers into characters that
+// matter to JSON, whatever the plain reader accepts, the strict parser (parse_strict, the schema)
+// accepts with the same entries and metadata. Both outcomes occur, so the check is not vacuous.
+TEST_CASE("plain header reader: accepts a subset of the strict parser, with the same entries") {
+  using dte::io::detail::HeaderEntry;
+  using dte::io::detail::PlainHeader;
+  // The strict reading of `text` as (entries by name, metadata), or false where it refuses.
+  const auto strict = [](std::string_view text, PlainHeader& out) {
+    out = {};
+    nlohmann::json j;
+    try {
+      j = dte::io::parse_strict(text, kSource, "header", 16);
+    } catch (const dte::format_error&) {
+      return false;
+    }
+    if (!j.is_object()) return false;
+    for (const auto& [key, value] : j.items()) {
+      if (key == "__metadata__") {
+        if (!value.is_object()) return false;
+        for (const auto& [k, v] : value.items()) {
+          if (!v.is_string()) return false;
+          out.metadata.emplace(k, v.get<std::string>());
+        }
+        continue;
+      }
+      if (!value.is_object() || value.size() != 3 || !value.contains("dtype") ||
+          !value.contains("shape") || !value.contains("data_offsets") ||
+          !value["dtype"].is_string() || !value["shape"].is_array() ||
+          !value["data_offsets"].is_array() || value["data_offsets"].size() != 2) {
+        return false;
+      }
+      HeaderEntry e;
+      e.name = key;
+      e.dtype = value["dtype"].get<std::string>();
+      for (const auto& d : value["shape"]) {
+        if (!d.is_number_unsigned()) return false;
+        e.shape.push_back(d.get<std::uint64_t>());
+      }
+      for (const auto& d : value["data_offsets"]) {
+        if (!d.is_number_unsigned()) return false;
+        e.offsets.push_back(d.get<std::uint64_t>());
+      }
+      out.tensors.push_back(std::move(e));
+    }
+    return true;  // (json objects iterate in key order: the entries are sorted by name)
+  };
+  SafetensorsWriter w;
+  w.set_metadata("dte.format", "chunk-v1");
+  w.set_metadata("dte.version", "12");
+  const std::vector<std::uint8_t> index{1, 2, 3}, hi(10, 7);
+  const std::vector<std::uint16_t> b(6, 1);
+  w.add<std::uint8_t>("a.weight:index", {3}, index);
+  w.add<std::uint8_t>("a.weight:value_hi", {10}, hi);
+  w.add<std::uint16_t>("b", {2, 3}, b, DType::BF16);
+  const std::vector<std::byte> file = w.serialize();
+  std::uint64_t n = 0;
+  std::memcpy(&n, file.data(), 8);
+  std::string header(reinterpret_cast<const char*>(file.data()) + 8, n);
+  while (header.back() == ' ')
+    header.pop_back();
+  const std::string spaced =
+      "{ \"x\" : {\"shape\" :[ 4 ,5],\t\"dtype\":\"F32\",\n\"data_offsets\""
+      ":[0 , 80]} , \"__metadata__\":{}}";
+  const std::string alphabet = "\"\\{}[],:0123456789 \t\n-.eEaxu\x01";
+  int accepted = 0, refused = 0;
+  for (const std::string& base : {header, spaced}) {
+    PlainHeader plain, reference;
+    REQUIRE(dte::io::detail::read_plain_header(base, plain));
+    REQUIRE(strict(base, reference));
+    for (std::size_t at = 0; at < base.size(); ++at) {
+      for (const char c : alphabet) {
+        std::string text = base;
+        text[at] = c;
+        if (!dte::io::detail::read_plain_header(text, plain)) {
+          ++refused;
+          continue;
+        }
+        ++accepted;
+        INFO(text);
+        REQUIRE(strict(text, reference));
+        REQUIRE(plain.metadata == reference.metadata);
+        REQUIRE(plain.tensors.size() == reference.tensors.size());
+        for (std::size_t k = 0; k < plain.tensors.size(); ++k) {
+          CHECK(plain.tensors[k].name == reference.tensors[k].name);
+          CHECK(plain.tensors[k].dtype == reference.tensors[k].dtype);
+          CHECK(plain.tensors[k].shape == reference.tensors[k].shape);
+          CHECK(plain.tensors[k].offsets == reference.tensors[k].offsets);
+        }
+      }
+    }
+  }
+  CHECK(accepted > 1000);
+  CHECK(refused > 1000);
+}

@@ -57,6 +57,7 @@
 #include "dte/error.hpp"
 #include "dte/io/file.hpp"
 #include "dte/io/json.hpp"
+#include "dte/io/safetensors_header.hpp"
 
 namespace dte::io {
 
@@ -263,8 +264,21 @@ class SafetensorsFile {
 
   // Parses and validates `bytes`; `source` names them in error messages.
   static SafetensorsFile parse(std::vector<std::byte> bytes, std::string source = "<memory>") {
+    const std::size_t size = bytes.size();
+    return parse(std::move(bytes), size, std::move(source));
+  }
+
+  // The file in bytes[0, size); what follows is not part of it (a buffer reused at its largest
+  // size, so that it is not filled with zeros again; release() gives it back whole).
+  static SafetensorsFile parse(std::vector<std::byte> bytes, std::size_t size, std::string source) {
+    if (size > bytes.size()) {
+      throw invalid_argument("SafetensorsFile::parse: the file's " + std::to_string(size) +
+                             " bytes do not fit the " + std::to_string(bytes.size()) +
+                             " bytes given");
+    }
     SafetensorsFile file;
     file.bytes_ = std::move(bytes);
+    file.size_ = size;
     file.source_ = std::move(source);
     file.validate();
     return file;
@@ -347,7 +361,7 @@ class SafetensorsFile {
   }
 
   void validate() {
-    const std::uint64_t size = bytes_.size();
+    const std::uint64_t size = size_;
     if (size < 8) {
       fail("file is too small to be safetensors (" + std::to_string(size) +
            " bytes; the 8-byte header length alone needs 8)");
@@ -387,14 +401,26 @@ class SafetensorsFile {
           detail::hex_byte(static_cast<unsigned char>(header[last])) + " at header offset " +
           std::to_string(last) + " (NUL or other padding is not allowed; incomplete JSON?)");
     }
-    const nlohmann::json json = parse_strict(header.substr(0, last + 1), source_, "header", 16);
-    if (!json.is_object()) fail("header is not a JSON object");
-
-    for (const auto& [key, value] : json.items()) {
-      if (key == "__metadata__") {
-        read_metadata(value);
-      } else {
-        tensors_.push_back(read_entry(key, value));
+    // The plain form every writer produces is read without a JSON library; anything else
+    // goes through the strict parser, which decides and words the refusal
+    // (io/safetensors_header.hpp). Entries are checked in name order either way, so both name the
+    // same first bad one.
+    const std::string_view text = header.substr(0, last + 1);
+    detail::PlainHeader plain;
+    if (detail::read_plain_header(text, plain)) {
+      metadata_ = std::move(plain.metadata);
+      tensors_.reserve(plain.tensors.size());
+      for (const detail::HeaderEntry& e : plain.tensors)
+        tensors_.push_back(check_entry(e));
+    } else {
+      const nlohmann::json json = parse_strict(text, source_, "header", 16);
+      if (!json.is_object()) fail("header is not a JSON object");
+      for (const auto& [key, value] : json.items()) {
+        if (key == "__metadata__") {
+          read_metadata(value);
+        } else {
+          tensors_.push_back(check_entry(read_entry(key, value)));
+        }
       }
     }
 
@@ -452,7 +478,8 @@ class SafetensorsFile {
     }
   }
 
-  TensorInfo read_entry(const std::string& name, const nlohmann::json& value) const {
+  // A tensor entry of the strict parser's JSON as written, its schema checked.
+  detail::HeaderEntry read_entry(const std::string& name, const nlohmann::json& value) const {
     const std::string what = "tensor " + detail::quote_name(name);
     if (name.empty()) fail("a tensor has an empty name");
     if (!value.is_object()) {
@@ -468,32 +495,45 @@ class SafetensorsFile {
     for (const char* required : {"dtype", "shape", "data_offsets"}) {
       if (!value.contains(required)) fail(what + " has no \"" + required + "\"");
     }
-    TensorInfo info;
-    info.name = name;
-
+    detail::HeaderEntry e;
+    e.name = name;
     const auto& dtype = value["dtype"];
     if (!dtype.is_string()) fail(what + ": dtype must be a string");
-    const auto parsed = parse_dtype(dtype.get_ref<const std::string&>());
+    e.dtype = dtype.get<std::string>();
+    const auto& shape = value["shape"];
+    if (!shape.is_array()) fail(what + ": shape must be an array of non-negative integers");
+    e.shape.reserve(shape.size());
+    for (const auto& d : shape)
+      e.shape.push_back(detail::get_index(d, source_, what + ": each shape entry"));
+    const auto& offsets = value["data_offsets"];
+    if (!offsets.is_array() || offsets.size() != 2) {
+      fail(what + ": data_offsets must be an array [begin, end]");
+    }
+    e.offsets = {detail::get_index(offsets[0], source_, what + ": data_offsets begin"),
+                 detail::get_index(offsets[1], source_, what + ": data_offsets end")};
+    return e;
+  }
+
+  // A tensor entry as written (schema already checked) as a TensorInfo: its dtype known, its
+  // size free of overflow, its offsets spanning exactly its bytes.
+  TensorInfo check_entry(const detail::HeaderEntry& e) const {
+    const std::string what = "tensor " + detail::quote_name(e.name);
+    if (e.name.empty()) fail("a tensor has an empty name");
+    TensorInfo info;
+    info.name = e.name;
+    const auto parsed = parse_dtype(e.dtype);
     if (!parsed) {
       std::string known;
       for (DType d : all_dtypes)
         known += (known.empty() ? "" : ", ") + std::string(dtype_name(d));
-      fail(what + " has unknown or unsupported dtype " +
-           detail::quote_name(dtype.get_ref<const std::string&>()) + " (supported: " + known + ")");
+      fail(what + " has unknown or unsupported dtype " + detail::quote_name(e.dtype) +
+           " (supported: " + known + ")");
     }
     info.dtype = *parsed;
-
-    const auto& shape = value["shape"];
-    if (!shape.is_array()) fail(what + ": shape must be an array of non-negative integers");
-    info.shape.reserve(shape.size());
-    bool has_zero = false;
-    for (const auto& d : shape) {
-      info.shape.push_back(detail::get_index(d, source_, what + ": each shape entry"));
-      has_zero = has_zero || info.shape.back() == 0;
-    }
+    info.shape = e.shape;
     // A tensor with a 0 in its shape is empty however large its other dimensions are.
     std::uint64_t numel = 1;
-    if (has_zero) {
+    if (std::find(info.shape.begin(), info.shape.end(), std::uint64_t{0}) != info.shape.end()) {
       numel = 0;
     } else {
       for (std::uint64_t d : info.shape) {
@@ -504,13 +544,8 @@ class SafetensorsFile {
     }
     const auto nbytes = detail::checked_mul(numel, dtype_size(info.dtype));
     if (!nbytes) fail(what + ": its size in bytes (numel * dtype size) overflows 64 bits");
-
-    const auto& offsets = value["data_offsets"];
-    if (!offsets.is_array() || offsets.size() != 2) {
-      fail(what + ": data_offsets must be an array [begin, end]");
-    }
-    info.begin = detail::get_index(offsets[0], source_, what + ": data_offsets begin");
-    info.end = detail::get_index(offsets[1], source_, what + ": data_offsets end");
+    info.begin = e.offsets[0];
+    info.end = e.offsets[1];
     if (info.end < info.begin) {
       fail(what + ": data_offsets end " + std::to_string(info.end) + " is before begin " +
            std::to_string(info.begin));
@@ -525,6 +560,7 @@ class SafetensorsFile {
   }
 
   std::vector<std::byte> bytes_;
+  std::size_t size_ = 0;  // the file: bytes_[0, size_)
   std::string source_;
   std::uint64_t data_start_ = 0;
   std::vector<TensorInfo> tensors_;

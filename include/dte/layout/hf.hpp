@@ -5,9 +5,14 @@
 // and globally as base(tensor) + flat index.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include "dte/layout/model.hpp"
@@ -199,6 +204,22 @@ class HfModel {
     return "?";
   }
 
+  // The id of the tensor called `name` (as name() spells it), or -1. The index of names is
+  // built on the first call (once, thread-safe) and shared by copies of this model.
+  [[nodiscard]] std::int64_t find(std::string_view name) const {
+    std::call_once(names_->once, [&] {
+      names_->sorted.reserve(tensors_.size());
+      for (std::int64_t t = 0; t < size(); ++t)
+        names_->sorted.emplace_back(this->name(t), t);
+      std::sort(names_->sorted.begin(), names_->sorted.end());
+    });
+    const auto& v = names_->sorted;
+    const auto it = std::lower_bound(
+        v.begin(), v.end(), name,
+        [](const auto& e, std::string_view n) { return std::string_view(e.first) < n; });
+    return it != v.end() && it->first == name ? it->second : -1;
+  }
+
   [[nodiscard]] std::vector<std::int64_t> shape(std::int64_t id) const {
     const HfTensor& t = (*this)[id];
     if (t.cols == 0) return {t.rows};
@@ -211,6 +232,11 @@ class HfModel {
   std::array<std::int32_t, hf_kinds> slot_{};  // id of the kind's first tensor (layer 0, expert 0)
   std::int64_t per_layer_ = 0;
   std::int64_t total_ = 0;
+  struct Names {
+    std::once_flag once;
+    std::vector<std::pair<std::string, std::int64_t>> sorted;
+  };
+  std::shared_ptr<Names> names_ = std::make_shared<Names>();
 };
 
 }  // namespace dte::layout

@@ -91,7 +91,7 @@ inline Bytes encode(const layout::ModelSpec& model, const storage::Manifest& man
 // learnt its model yet reads first.
 struct Envelope {
   nlohmann::json config;
-  std::string manifest_text;
+  nlohmann::json manifest;          // parsed (strictly), not yet read
   std::span<const std::byte> body;  // the chunks
 };
 
@@ -112,8 +112,7 @@ inline Envelope envelope(std::span<const std::byte> bytes, const std::string& so
                        " after the framing (truncated or corrupt)");
   }
   const auto* text = reinterpret_cast<const char*>(bytes.data() + magic.size() + 4);
-  const nlohmann::json h =
-      io::parse_strict(std::string_view(text, n), source, "publication header", 6);
+  nlohmann::json h = io::parse_strict(std::string_view(text, n), source, "publication header", 6);
   const io::JsonReader r(source);
   if (!h.is_object()) r.fail("", "is not a JSON object");
   storage::detail::only_keys(r, h, {"format", "config", "manifest"}, "");
@@ -123,9 +122,8 @@ inline Envelope envelope(std::span<const std::byte> bytes, const std::string& so
   Envelope e;
   e.config = r.member(h, "config", "");
   if (!e.config.is_object()) r.fail("config", "is not an object");
-  const nlohmann::json& m = r.member(h, "manifest", "");
-  if (!m.is_object()) r.fail("manifest", "is not an object");
-  e.manifest_text = m.dump();
+  if (!r.member(h, "manifest", "").is_object()) r.fail("manifest", "is not an object");
+  e.manifest = std::move(h["manifest"]);  // (present: member() checked it)
   e.body = bytes.subspan(magic.size() + 4 + n);
   return e;
 }
@@ -138,9 +136,9 @@ struct View {
 
 inline View decode(const layout::HfModel& hf, std::span<const std::byte> bytes,
                    const std::string& source) {
-  const Envelope e = envelope(bytes, source);
+  Envelope e = envelope(bytes, source);
   View v;
-  v.manifest = storage::parse_manifest(e.manifest_text, source + " manifest", hf);
+  v.manifest = storage::manifest_from_json(e.manifest, source + " manifest", hf);
   if (v.manifest.writers != 1) {
     throw protocol_error(source + ": written by " + std::to_string(v.manifest.writers) +
                          " trainer ranks; a publication message has one writer");

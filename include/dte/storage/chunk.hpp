@@ -267,34 +267,37 @@ class ChunkScratch {
   ZSTD_DCtx* dctx_;
 };
 
-// The zstd frames of `bytes`, decompressed and concatenated into `plain` (resized to them);
-// refused as frame_table refuses, before anything is allocated.
-inline void decompress_frames(std::span<const std::byte> bytes, const std::string& source,
-                              std::uint64_t max_bytes, ZSTD_DCtx* dctx,
-                              std::vector<std::byte>& plain) {
+// The zstd frames of `bytes`, decompressed and concatenated into plain[0, returned size); plain
+// grows when it is too small and never shrinks, so a reused buffer is not filled with zeros
+// again. Refused as frame_table refuses, before anything is allocated.
+inline std::size_t decompress_frames(std::span<const std::byte> bytes, const std::string& source,
+                                     std::uint64_t max_bytes, ZSTD_DCtx* dctx,
+                                     std::vector<std::byte>& plain) {
   const FrameTable table = frame_table(bytes, source, max_bytes);
-  plain.resize(static_cast<std::size_t>(table.total));
+  const auto total = static_cast<std::size_t>(table.total);
+  if (plain.size() < total) plain.resize(total);
   std::size_t out = 0;
   for (const auto& [at, span] : table.frames) {
     const std::size_t got =
-        ZSTD_decompressDCtx(dctx, plain.data() + out, plain.size() - out, bytes.data() + at, span);
+        ZSTD_decompressDCtx(dctx, plain.data() + out, total - out, bytes.data() + at, span);
     if (ZSTD_isError(got)) {
       throw format_error(source + ": zstd refused the chunk (" + ZSTD_getErrorName(got) +
                          "); it is corrupt or truncated");
     }
     out += got;
   }
-  if (out != plain.size()) {
-    throw format_error(source + ": the zstd frames stated " + std::to_string(plain.size()) +
+  if (out != total) {
+    throw format_error(source + ": the zstd frames stated " + std::to_string(total) +
                        " bytes but decompressed to " + std::to_string(out));
   }
+  return total;
 }
 
 inline std::vector<std::byte> decompress_frames(std::span<const std::byte> bytes,
                                                 const std::string& source,
                                                 std::uint64_t max_bytes = max_decoded_bytes) {
   ChunkScratch s;
-  decompress_frames(bytes, source, max_bytes, s.dctx(), s.plain);
+  s.plain.resize(decompress_frames(bytes, source, max_bytes, s.dctx(), s.plain));
   return std::move(s.plain);
 }
 
@@ -468,8 +471,9 @@ Chunk detail::visit_chunk(const layout::HfModel& hf, std::span<const std::byte> 
                           const std::string& source, const ChunkHeader* expect,
                           std::uint64_t max_bytes, const ClassBase* base, bool resolve,
                           ChunkScratch& scratch, F&& f) {
-  decompress_frames(bytes, source, max_bytes, scratch.dctx(), scratch.plain);
-  io::SafetensorsFile file = io::SafetensorsFile::parse(std::move(scratch.plain), source);
+  const std::size_t size =
+      decompress_frames(bytes, source, max_bytes, scratch.dctx(), scratch.plain);
+  io::SafetensorsFile file = io::SafetensorsFile::parse(std::move(scratch.plain), size, source);
   // (the decompressed bytes go back to the scratch however this ends)
   struct GiveBack {
     io::SafetensorsFile& file;
@@ -519,9 +523,6 @@ Chunk detail::visit_chunk(const layout::HfModel& hf, std::span<const std::byte> 
         std::to_string(expect->chunk) + " writer " + std::to_string(expect->writer) +
         " (a chunk of another version or slot in its place)");
   }
-  std::map<std::string, std::int64_t, std::less<>> ids;
-  for (std::int64_t t = 0; t < hf.size(); ++t)
-    ids.emplace(hf.name(t), t);
   constexpr std::string_view parts[3] = {":index", ":value_hi", ":value_lo"};
   for (const io::TensorInfo& info : file.tensors()) {
     const auto colon = info.name.rfind(':');
@@ -532,7 +533,7 @@ Chunk detail::visit_chunk(const layout::HfModel& hf, std::span<const std::byte> 
                          "' is not '<name>:index', '<name>:value_hi' or '<name>:value_lo'");
     }
     const std::string name = info.name.substr(0, colon);
-    if (!ids.contains(name)) {
+    if (hf.find(name) < 0) {
       throw format_error(source + ": tensor '" + name + "' is not a tensor of " + hf.spec().name);
     }
     for (std::string_view other : parts) {
@@ -554,7 +555,7 @@ Chunk detail::visit_chunk(const layout::HfModel& hf, std::span<const std::byte> 
                          ": ':index', ':value_hi' and ':value_lo' must be U8 [k], U8 [n] "
                          "and U8 [n]");
     }
-    const std::int64_t id = ids.find(name)->second;
+    const std::int64_t id = hf.find(name);
     const std::uint64_t n = hi.shape[0];
     const auto gap_bytes = file.bytes(info);
     const std::span<const std::uint8_t> code{
@@ -565,16 +566,16 @@ Chunk detail::visit_chunk(const layout::HfModel& hf, std::span<const std::byte> 
                          ": an index stream of a classes chunk starts with its mode, 0 "
                          "(plain) or 1 (class index)");
     }
+    // (scratch buffers only grow: a reused one is not filled with zeros first)
     std::vector<std::uint32_t>& index = scratch.index;
-    if (c.index == IndexCode::classes && code[0] == 0) {
-      get_gaps(code.subspan(1), n, numel, where, index);
-    } else if (c.index == IndexCode::classes) {
+    std::span<const std::uint32_t> entries;
+    const auto n_ = static_cast<std::size_t>(n);
+    if (c.index == IndexCode::classes && code[0] != 0) {
       const ClassIndex x = get_class_index(code.subspan(1), numel, where);
       if (x.values != n) {
         throw format_error(where + ": the class index names " + std::to_string(x.values) +
                            " elements, the value planes hold " + std::to_string(n));
       }
-      index.clear();
       if (base == nullptr && !resolve) {
         // (check_chunk: parsed and bounded, not resolved)
       } else if (base == nullptr) {
@@ -589,20 +590,23 @@ Chunk detail::visit_chunk(const layout::HfModel& hf, std::span<const std::byte> 
               base->bits(id, start, count, out);
             },
             where);
+        entries = index;
       }
     } else {
-      get_gaps(code, n, numel, where, index);
+      if (index.size() < n_) index.resize(n_);
+      get_gaps(c.index == IndexCode::classes ? code.subspan(1) : code, n, numel, where,
+               index.data());
+      entries = std::span<const std::uint32_t>(index.data(), n_);
     }
     const auto high = file.bytes(hi);
     const auto low = file.bytes(lo);
     std::vector<std::uint16_t>& values = scratch.bits;
-    values.resize(static_cast<std::size_t>(n));
-    for (std::size_t k = 0; k < values.size(); ++k) {
+    if (values.size() < n_) values.resize(n_);
+    for (std::size_t k = 0; k < n_; ++k) {
       values[k] = static_cast<std::uint16_t>((std::to_integer<std::uint16_t>(high[k]) << 8) |
                                              std::to_integer<std::uint16_t>(low[k]));
     }
-    f(static_cast<const Chunk&>(c), id, std::span<const std::uint32_t>(index),
-      std::span<const std::uint16_t>(values));
+    f(static_cast<const Chunk&>(c), id, entries, std::span<const std::uint16_t>(values.data(), n_));
   }
   return c;
 }

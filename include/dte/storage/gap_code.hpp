@@ -40,13 +40,11 @@ inline void put_gap(std::uint64_t gap, std::vector<std::uint8_t>& out) {
 enum class GapFault { ends, escape_ends, past_limit };
 
 // Reads `count` values of the gap code from in[at...] (advancing at), each below `limit`, as T,
-// into out (replacing what it held); fail(fault, entry, value) throws: value is the escape's
-// byte count for escape_ends, the value for past_limit.
+// into o[0, count); fail(fault, entry, value) throws: value is the escape's byte count for
+// escape_ends, the value for past_limit.
 template <class T, class Fail>
 void take_gaps(std::span<const std::uint8_t> in, std::size_t& at, std::uint64_t count,
-               std::uint64_t limit, Fail&& fail, std::vector<T>& out) {
-  out.resize(static_cast<std::size_t>(count));
-  T* const o = out.data();
+               std::uint64_t limit, Fail&& fail, T* const o) {
   const auto fixed = [&](int bytes, std::uint64_t k) {
     if (in.size() - at < static_cast<std::size_t>(bytes)) {
       fail(GapFault::escape_ends, k, static_cast<std::uint64_t>(bytes));
@@ -74,8 +72,8 @@ void take_gaps(std::span<const std::uint8_t> in, std::size_t& at, std::uint64_t 
 template <class T, class Fail>
 std::vector<T> take_gaps(std::span<const std::uint8_t> in, std::size_t& at, std::uint64_t count,
                          std::uint64_t limit, Fail&& fail) {
-  std::vector<T> out;
-  take_gaps<T>(in, at, count, limit, std::forward<Fail>(fail), out);
+  std::vector<T> out(static_cast<std::size_t>(count));
+  take_gaps<T>(in, at, count, limit, std::forward<Fail>(fail), out.data());
   return out;
 }
 
@@ -108,10 +106,10 @@ inline void put_gaps(std::span<const std::uint32_t> sorted, std::vector<std::uin
   }
 }
 
-// Decodes exactly `count` indices from `in` (every byte used), each below `numel`; format_error
-// naming `where` otherwise.
+// Decodes exactly `count` indices from `in` (every byte used), each below `numel`, into
+// out[0, count); format_error naming `where` otherwise.
 inline void get_gaps(std::span<const std::uint8_t> in, std::uint64_t count, std::uint64_t numel,
-                     const std::string& where, std::vector<std::uint32_t>& out) {
+                     const std::string& where, std::uint32_t* out) {
   if (count > in.size()) {
     throw format_error(where + ": " + std::to_string(count) + " values but only " +
                        std::to_string(in.size()) + " index bytes (each index takes at least one)");
@@ -141,8 +139,11 @@ inline void get_gaps(std::span<const std::uint8_t> in, std::uint64_t count, std:
 
 inline std::vector<std::uint32_t> get_gaps(std::span<const std::uint8_t> in, std::uint64_t count,
                                            std::uint64_t numel, const std::string& where) {
-  std::vector<std::uint32_t> out;
-  get_gaps(in, count, numel, where, out);
+  if (count > in.size()) {  // (before the allocation: each index takes at least one byte)
+    get_gaps(in, count, numel, where, nullptr);
+  }
+  std::vector<std::uint32_t> out(static_cast<std::size_t>(count));
+  get_gaps(in, count, numel, where, out.data());
   return out;
 }
 

@@ -125,11 +125,11 @@ inline std::string manifest_json(const Manifest& m) {
   return j.dump(1) + "\n";
 }
 
-// The manifest in `text` (`source` names it). hf: the reader's model (the name and the digest's
-// length must match it). format_error / bounds_error / protocol_error as the top says.
-inline Manifest parse_manifest(std::string_view text, const std::string& source,
-                               const layout::HfModel& hf) {
-  const nlohmann::json j = io::parse_strict(text, source, "manifest", 4);
+// The manifest in `j`, parsed strictly (io::parse_strict) by the caller (`source` names it).
+// hf: the reader's model (the name and the digest's length must match it). format_error /
+// bounds_error / protocol_error as the top says.
+inline Manifest manifest_from_json(const nlohmann::json& j, const std::string& source,
+                                   const layout::HfModel& hf) {
   const io::JsonReader r(source);
   if (!j.is_object()) r.fail("", "is not a JSON object");
   detail::only_keys(
@@ -203,6 +203,12 @@ inline Manifest parse_manifest(std::string_view text, const std::string& source,
     m.digest.push_back(static_cast<Digest>(d));
   }
   return m;
+}
+
+// The same from its text.
+inline Manifest parse_manifest(std::string_view text, const std::string& source,
+                               const layout::HfModel& hf) {
+  return manifest_from_json(io::parse_strict(text, source, "manifest", 4), source, hf);
 }
 
 }  // namespace dte::storage

@@ -72,9 +72,6 @@ struct ReadReport {
 template <class Emit>
 std::uint64_t read_anchor(const layout::HfModel& hf, const std::filesystem::path& dir,
                           const Manifest& m, Emit&& emit) {
-  std::map<std::string, std::int64_t, std::less<>> ids;
-  for (std::int64_t t = 0; t < hf.size(); ++t)
-    ids.emplace(hf.name(t), t);
   std::vector<bool> seen(static_cast<std::size_t>(hf.size()), false);
   std::uint64_t bytes = 0;
   for (const ChunkEntry& e : m.chunks) {
@@ -83,12 +80,11 @@ std::uint64_t read_anchor(const layout::HfModel& hf, const std::filesystem::path
     bytes += raw.size();
     const io::SafetensorsFile file = io::SafetensorsFile::parse(std::move(raw), source);
     for (const io::TensorInfo& info : file.tensors()) {
-      const auto it = ids.find(info.name);
-      if (it == ids.end()) {
+      const std::int64_t t = hf.find(info.name);
+      if (t < 0) {
         throw format_error(source + ": tensor '" + info.name + "' is not a tensor of " +
                            hf.spec().name);
       }
-      const std::int64_t t = it->second;
       if (seen[static_cast<std::size_t>(t)]) {
         throw format_error(source + ": tensor '" + info.name +
                            "' appears in two files of the anchor");
