@@ -23,5 +23,6 @@ fi
 
 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${launcher[@]}"
 cmake --build "$build" -j "$jobs"
-ctest --test-dir "$build" -j "$jobs" --output-on-failure "$@"
+# (tests run side by side, each with every core: idle OpenMP threads sleep instead of spinning)
+OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-passive}" ctest --test-dir "$build" -j "$jobs" --output-on-failure "$@"
 "$root/tools/python-tests.sh"

@@ -1,10 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // Cross-cluster sync end to end (storage/publisher.hpp, storage/reader.hpp): writers of a
 // sharded synthetic trainer publish to a storage root, readers of another topology follow it.
-//   * The golden invariant: after every poll every reader's tensors are bit-identical to a
-//     dense conversion of the trainer's weights of the version it holds, for readers that keep
-//     up, lag 3 versions, or start late; anchors every N versions are HF checkpoint
-//     directories.
+//   * The golden invariant for readers that keep up or lag is tests/golden (the suite over every
+//     delivery path); here: a reader starting late replays from the newest anchor, and anchors
+//     every N versions are HF checkpoint directories.
 //   * RELIABILITY.md 6.2: M1 a missing chunk, M2 a short one, M3 regression, M4 re-delivery,
 //     M5 a gap in the chain, M6 an anchor resetting the chain, M7 chunks without a manifest,
 //     M8 a writer dead between manifest and LATEST, M9 a dirty reader reseeding, M11 a dead
@@ -86,48 +85,32 @@ fs::path first_chunk(const fs::path& dir) {
 
 }  // namespace
 
-TEST_CASE("readers that keep up, lag 3 versions or start late end bit-identical") {
+TEST_CASE("anchors every 5 versions; a reader starting late replays from the newest one") {
+  // (readers that keep up or lag, after every version: the golden suite, tests/golden)
   Setup s({.anchor_every = 5});
-  auto live = s.reader({0, 1});
-  auto lagging = s.reader({1}, {.name = "lagging"});  // registered: retention keeps its chain
-  std::vector<std::vector<float>> weights;            // by version
-  weights.push_back({});
   const auto first = s.writers.publish(s.access);
   CHECK(first.version == 1);
   CHECK(first.anchor());
-  weights.push_back(s.trainer.canonical_weights());
   for (int step = 0; step < 12; ++step) {
     s.trainer.step();
     const auto rep = s.writers.step(s.access);
     REQUIRE(rep.has_value());
-    weights.push_back(s.trainer.canonical_weights());
-    CHECK(rep->version == weights.size() - 1);
+    CHECK(rep->version == static_cast<Version>(step + 2));
     CHECK(rep->anchor() == (rep->version % 5 == 0));
     if (!rep->anchor()) {
       CHECK(rep->base == rep->version - 1);
       CHECK(rep->changed > 0);
       CHECK(rep->bytes < rep->dense_bytes);
     }
-    const auto got = live->poll();
-    REQUIRE_MESSAGE(got.ok(), got.error);
-    CHECK(live->version() == rep->version);
-    CHECK(s.mismatches(live, weights.back()) == 0);
-    if (rep->version > 3) {
-      const auto lag = lagging->advance(rep->version - 3);
-      REQUIRE_MESSAGE(lag.ok(), lag.error);
-      CHECK(lagging->version() == rep->version - 3);
-      CHECK(s.mismatches(lagging, weights[rep->version - 3]) == 0);
-    }
   }
-  // The lagging reader catches up; a reader starting now replays from the newest anchor (10).
-  REQUIRE(lagging->poll().ok());
-  CHECK(s.mismatches(lagging, weights.back()) == 0);
+  const std::vector<float> weights = s.trainer.canonical_weights();
+  // A reader starting now replays from the newest anchor (10).
   auto late = s.reader({0});
   const auto rep = late->poll();
   REQUIRE_MESSAGE(rep.ok(), rep.error);
   CHECK(rep.reseeded);
   CHECK(rep.applied == std::vector<Version>{10, 11, 12, 13});
-  CHECK(s.mismatches(late, weights.back()) == 0);
+  CHECK(s.mismatches(late, weights) == 0);
   // M4: polling again, and advancing to the version held, change nothing.
   const auto again = late->poll();
   CHECK(again.ok());

@@ -115,10 +115,12 @@ class DeltaEngine {
   [[nodiscard]] Version version() const noexcept { return version_; }
   [[nodiscard]] std::int64_t pending_steps() const noexcept { return schedule_.pending(); }
 
-  // The first publication (version 0): every element, current values.
+  // A full publication: every element, current values. The first one is version 0; a later
+  // one (a resync the caller asks for) is the next version, which every receiver accepts
+  // whatever it holds.
   template <class Access>
   SyncReport publish_full(Access&& access) {
-    return publish(access, schedule_.next(true), 0);
+    return publish(access, schedule_.next(true), version_ == no_version ? 0 : version_ + 1);
   }
 
   // Call after every optimizer step. Publishes (and returns true) on every K-th step; the
