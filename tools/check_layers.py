@@ -3,7 +3,8 @@
 """The layer check (docs/engine.md, "Layers"): a header of include/dte may include headers of its
 own layer and of the layers below it, never one above. LAYERS is the order, lowest first, written
 down here once; each entry is a folder (ending in /) or a single file, relative to include/dte.
-The longest matching entry decides a header's layer.
+The longest matching entry decides a header's layer. dte/sim/ is not in include/dte: it is the
+testing target dte_testing (testing/include), which no installed header may include.
 
 KNOWN lists the upward includes that exist today and are to be removed (each one names its way
 out). The check fails on any upward include not listed, and on a listed one that no longer exists
@@ -37,8 +38,7 @@ LAYERS = [
     # 9. storage, then self-contained publications over it
     ("storage", ["storage/"]),
     ("publication", ["publication/"]),
-    # 10. the synthetic trainer and test clusters, and the umbrella header
-    ("sim", ["sim/"]),
+    # 10. the umbrella header
     ("umbrella", ["dte.hpp"]),
 ]
 
@@ -81,7 +81,10 @@ def main():
                         continue
                     dep = m.group(1)
                     theirs = layer_of(dep)
-                    if theirs is None:
+                    if dep.startswith("sim/"):
+                        bad.append(f"{rel}:{line_no}: includes dte/{dep}, a testing header "
+                                   f"(testing/include, dte_testing) that is not installed")
+                    elif theirs is None:
                         bad.append(f"{rel}:{line_no}: includes dte/{dep}, which is in no layer")
                     elif theirs > mine:
                         if (rel, dep) in KNOWN:

@@ -11,6 +11,11 @@ function(run)
   endif()
 endfunction()
 run(${CMAKE_COMMAND} --install "${BUILD_DIR}" --prefix "${WORK_DIR}/prefix")
+# dte/sim/ is the testing target dte_testing (testing/include): never installed.
+file(GLOB_RECURSE installed_sim "${WORK_DIR}/prefix/*/dte/sim/*")
+if(installed_sim)
+  message(FATAL_ERROR "testing headers installed: ${installed_sim}")
+endif()
 run(${CMAKE_COMMAND} -S "${SOURCE_DIR}" -B "${WORK_DIR}/build" -G Ninja
     "-DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix" "-DDTE_EXPECT_STORAGE=${EXPECT_STORAGE}")
 run(${CMAKE_COMMAND} --build "${WORK_DIR}/build")

@@ -2,6 +2,7 @@
 # Fails when a C++/CUDA file of the project differs from what .clang-format says.
 file(GLOB_RECURSE files
      "${SOURCE_DIR}/include/*.hpp" "${SOURCE_DIR}/include/*.cuh" "${SOURCE_DIR}/include/*.inc"
+     "${SOURCE_DIR}/testing/*.hpp" "${SOURCE_DIR}/testing/*.cuh"
      "${SOURCE_DIR}/tests/*.cpp" "${SOURCE_DIR}/tests/*.cu" "${SOURCE_DIR}/tests/*.hpp"
      "${SOURCE_DIR}/tools/*.cpp" "${SOURCE_DIR}/tools/*.hpp"
      "${SOURCE_DIR}/examples/*.cpp" "${SOURCE_DIR}/examples/*.cu" "${SOURCE_DIR}/bench/*.cpp"
