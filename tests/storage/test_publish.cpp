@@ -314,6 +314,14 @@ TEST_CASE("M9: a dirty reader reseeds from the anchor") {
   CHECK_FALSE(bad.ok());
   CHECK(bad.error.find("digest") != std::string::npos);
   CHECK(r->dirty());
+  // dte verify's replay names the manifest at fault, and only that one.
+  const storage::VerifyReport v = storage::verify_root(s.hf, s.dir.path);
+  REQUIRE(v.problems.size() == 1);
+  CHECK(v.problems[0].path ==
+        (storage::version_dir(s.dir.path, 5) / storage::manifest_name).string());
+  CHECK(v.problems[0].what.find("disagrees with the manifest's digest of " + s.hf.name(0)) !=
+        std::string::npos);
+  CHECK(v.digests == v.versions);  // (each checked; the last one failed)
   m.digest[0] -= 1;
   const std::string fixed = storage::manifest_json(m);
   io::write_file_atomic(storage::version_dir(s.dir.path, 5) / storage::manifest_name,

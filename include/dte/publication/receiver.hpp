@@ -124,7 +124,7 @@ class HfReceiver {
  public:
   // tensors[t]: HF tensor t of `model` (HfModel order), hf[t].numel() BF16 values each.
   HfReceiver(const layout::ModelSpec& model, std::vector<std::span<std::uint16_t>> tensors)
-      : spec_(named_by_structure(model)), hf_(spec_), core_(make_core(hf_)) {
+      : spec_(named_by_structure(model)), hf_(spec_), core_(receive::hf_core(hf_, "HfReceiver")) {
     core_.hold(std::move(tensors));
   }
 
@@ -171,14 +171,6 @@ class HfReceiver {
   }
 
  private:
-  static receive::Core make_core(const layout::HfModel& hf) {
-    std::vector<std::uint64_t> numel;
-    for (std::int64_t t = 0; t < hf.size(); ++t)
-      numel.push_back(static_cast<std::uint64_t>(hf[t].numel()));
-    auto name = [&hf](std::int64_t t) { return hf.name(t); };
-    return receive::Core("HfReceiver", -1, numel, numel, numel.size(), name, name);
-  }
-
   layout::ModelSpec spec_;
   layout::HfModel hf_;
   receive::Core core_;

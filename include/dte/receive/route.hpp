@@ -13,11 +13,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "dte/core/digest.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/serving.hpp"
+#include "dte/receive/core.hpp"
 #include "dte/receive/staged.hpp"
 
 namespace dte::receive {
@@ -69,6 +72,16 @@ inline void route_hf(const layout::HfModel& hf, std::int64_t tensor, const std::
                      const std::uint16_t* bits, std::size_t n, StagedWrites& out) {
   const auto t = static_cast<std::uint32_t>(tensor);
   push_writes(out, t, t, index, 0, 0, hf[tensor].base, bits, n);
+}
+
+// A receiver core over the model's HF tensors themselves (tensor t is canonical tensor t, every
+// element live); `who` starts its refusals.
+inline Core hf_core(const layout::HfModel& hf, std::string who) {
+  std::vector<std::uint64_t> numel;
+  for (std::int64_t t = 0; t < hf.size(); ++t)
+    numel.push_back(static_cast<std::uint64_t>(hf[t].numel()));
+  auto name = [&hf](std::int64_t t) { return hf.name(t); };
+  return Core(std::move(who), -1, numel, numel, numel.size(), name, name);
 }
 
 // Canonical writes into the TP ranks of one replica of a serving layout: out[ts] receives the

@@ -20,6 +20,9 @@
 #include "dte/error.hpp"
 #include "dte/io/json.hpp"
 #include "dte/layout/hf.hpp"
+#include "dte/receive/core.hpp"
+#include "dte/receive/route.hpp"
+#include "dte/receive/staged.hpp"
 #include "dte/storage/inspect.hpp"
 #include "dte/storage/layout.hpp"
 #include "dte/storage/manifest.hpp"
@@ -90,10 +93,21 @@ inline VerifyReport verify_root(const layout::HfModel& hf, const std::filesystem
   const std::string latest_path = (root / latest_name).string();
   if (!info.latest_problem.empty()) problem(latest_path, info.latest_problem);
   if (info.latest && !info.chain_problem.empty()) problem(latest_path, info.chain_problem);
-  // The state replayed in canonical coordinates, and its digest per tensor.
+  // The state replayed in canonical coordinates through the receiver core (receive/core.hpp)
+  // over HF tensors held here: its digest, its coverage of a full publication and its version
+  // chain are every receiver's.
   const auto tensors = static_cast<std::size_t>(hf.size());
-  std::vector<std::vector<std::uint16_t>> state;
-  std::vector<Digest> digest(tensors, 0);
+  std::vector<std::vector<std::uint16_t>> state(tensors);
+  for (std::size_t t = 0; t < tensors; ++t)
+    state[t].resize(static_cast<std::size_t>(hf[static_cast<std::int64_t>(t)].numel()));
+  receive::Core core = receive::hf_core(hf, "dte verify");
+  {
+    ReceiverTensors views;
+    for (auto& x : state)
+      views.emplace_back(x);
+    core.hold(std::move(views));
+  }
+  receive::StagedWrites w;
   Version at = no_version;  // the version `state` holds (no_version: not known)
   for (const VersionInfo& vi : info.versions) {
     const std::filesystem::path dir = version_dir(root, vi.version);
@@ -111,8 +125,14 @@ inline VerifyReport verify_root(const layout::HfModel& hf, const std::filesystem
       continue;
     }
     bool files_ok = true;
+    w.clear();
+    w.diff = false;
+    w.kind = m.anchor() ? MessageKind::full : MessageKind::delta;
+    w.version = m.version;
+    w.base = m.base;
+    std::vector<std::vector<std::uint16_t>> fresh;  // an anchor's tensors (staged in place)
     if (m.anchor()) {
-      std::vector<std::vector<std::uint16_t>> fresh(tensors);
+      fresh.resize(tensors);
       try {
         rep.bytes += read_anchor(hf, dir, m, [&](std::int64_t t, std::vector<std::uint16_t> bits) {
           fresh[static_cast<std::size_t>(t)] = std::move(bits);
@@ -123,28 +143,23 @@ inline VerifyReport verify_root(const layout::HfModel& hf, const std::filesystem
         problem(dir.string(), e.what());
         files_ok = false;
       }
-      if (files_ok) {
-        state = std::move(fresh);
-        for (std::size_t t = 0; t < tensors; ++t) {
-          Digest d = 0;
-          const std::int64_t base = hf[static_cast<std::int64_t>(t)].base;
-          for (std::size_t i = 0; i < state[t].size(); ++i)
-            d += element_digest(base + static_cast<std::int64_t>(i), state[t][i]);
-          digest[t] = d;
-        }
-        at = m.version;
-      } else {
-        at = no_version;
+      for (std::size_t t = 0; t < tensors && files_ok; ++t) {
+        w.push_run(static_cast<std::uint32_t>(t), static_cast<std::uint32_t>(t), 0,
+                   hf[static_cast<std::int64_t>(t)].base,
+                   reinterpret_cast<const std::byte*>(fresh[t].data()), fresh[t].size(), -1);
       }
     } else {
-      std::vector<Chunk> chunks;
       // (a class index resolves against the state before the version, known when it is the
       // base; else every check but that one)
       const TensorsBase held(state);
       for (const ChunkEntry& e : m.chunks) {
         try {
           if (at == m.base) {
-            chunks.push_back(read_chunk(hf, dir, m, e, &held));
+            const Chunk c = read_chunk(hf, dir, m, e, &held);
+            w.diff = c.encoding == Encoding::diff;
+            for (const TensorDelta& d : c.tensors) {
+              receive::route_hf(hf, d.tensor, d.index.data(), d.bits.data(), d.index.size(), w);
+            }
           } else {
             check_chunk_file(hf, dir, m, e);
           }
@@ -162,37 +177,30 @@ inline VerifyReport verify_root(const layout::HfModel& hf, const std::filesystem
         problem(manifest_path, "its base, version " + std::to_string(m.base) +
                                    ", is not on storage: the chain is broken");
       }
-      if (files_ok && at == m.base) {
-        for (const Chunk& c : chunks) {
-          for (const TensorDelta& d : c.tensors) {
-            auto& s = state[static_cast<std::size_t>(d.tensor)];
-            Digest& sum = digest[static_cast<std::size_t>(d.tensor)];
-            const std::int64_t base = hf[d.tensor].base;
-            for (std::size_t k = 0; k < d.index.size(); ++k) {
-              const std::int64_t g = base + d.index[k];
-              const std::uint16_t old = s[d.index[k]];
-              const std::uint16_t now = decode_value(c.encoding, old, d.bits[k]);
-              sum += element_digest(g, now) - element_digest(g, old);
-              s[d.index[k]] = now;
-            }
-          }
-        }
-        at = m.version;
-      } else {
-        at = no_version;  // the state of this version is not known: later deltas go unreplayed
-      }
     }
-    if (at == m.version) {
-      ++rep.digests;
-      for (std::size_t t = 0; t < tensors; ++t) {
-        if (digest[t] != m.digest[t]) {
-          problem(manifest_path, "the state after version " + std::to_string(m.version) +
-                                     " disagrees with the manifest's digest of " +
-                                     hf.name(static_cast<std::int64_t>(t)) +
-                                     " (a writer fault, or the manifest was altered)");
-          at = no_version;
-          break;
-        }
+    if (!files_ok || (!m.anchor() && at != m.base)) {
+      at = no_version;  // the state of this version is not known: later deltas go unreplayed
+      continue;
+    }
+    try {
+      (void)core.chain(w.kind, w.version, w.base);
+      core.check(w);
+      core.commit(w);
+    } catch (const std::exception& e) {
+      problem(manifest_path, e.what());
+      at = no_version;
+      continue;
+    }
+    at = m.version;
+    ++rep.digests;
+    for (std::size_t t = 0; t < tensors; ++t) {
+      if (core.digest()[t] != m.digest[t]) {
+        problem(manifest_path, "the state after version " + std::to_string(m.version) +
+                                   " disagrees with the manifest's digest of " +
+                                   hf.name(static_cast<std::int64_t>(t)) +
+                                   " (a writer fault, or the manifest was altered)");
+        at = no_version;
+        break;
       }
     }
   }
