@@ -11,12 +11,13 @@
 #include "dte/core/digest.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/serving.hpp"
+#include "dte/receive/replica.hpp"
 
 namespace dte::detail {
 
-// The verification verdict: canonical tensor t disagrees when, in some replica, the sum of the
-// receivers' digests (replica_sums[replica * tensors + t]) differs from the trainer's digest
-// times the copies of t a replica holds.
+// The verification verdict: canonical tensor t disagrees when, in some replica, the receivers'
+// digests (summed: replica_sums[replica * tensors + t]) do not hold the trainer's
+// (receive/replica.hpp).
 // (Digests are sums mod 2^32: sum_fields sums them in 64-bit words and keeps them mod 2^32.)
 inline std::vector<bool> mismatched_tensors(const layout::HfModel& hf,
                                             const layout::ServingLayout& receivers,
@@ -26,10 +27,9 @@ inline std::vector<bool> mismatched_tensors(const layout::HfModel& hf,
   std::vector<bool> bad(tensors, false);
   for (std::int64_t replica = 0; replica < receivers.topology().replicas; ++replica) {
     for (std::size_t t = 0; t < tensors; ++t) {
-      const auto copies =
-          static_cast<Digest>(receivers.copies(hf[static_cast<std::int64_t>(t)].kind));
       const Digest replica_sum = replica_sums[static_cast<std::size_t>(replica) * tensors + t];
-      if (replica_sum != static_cast<Digest>(copies * trainer[t])) {
+      if (!receive::replica_holds(hf, receivers, static_cast<std::int64_t>(t), replica_sum,
+                                  trainer[t])) {
         bad[t] = true;
       }
     }

@@ -37,6 +37,7 @@
 #include "dte/layout/serving.hpp"
 #include "dte/publication/message.hpp"
 #include "dte/receive/core.hpp"
+#include "dte/receive/replica.hpp"
 #include "dte/receive/route.hpp"
 #include "dte/receive/staged.hpp"
 
@@ -270,8 +271,7 @@ inline std::string check_replica(const layout::ServingLayout& layout,
     Digest sum = 0;
     for (const auto& d : rank_digest)
       sum += d[t];
-    const auto copies = static_cast<Digest>(layout.copies(hf[static_cast<std::int64_t>(t)].kind));
-    if (sum != static_cast<Digest>(copies * trainer[t]))
+    if (!receive::replica_holds(hf, layout, static_cast<std::int64_t>(t), sum, trainer[t]))
       return hf.name(static_cast<std::int64_t>(t));
   }
   return {};

@@ -38,6 +38,7 @@
 #include "dte/io/safetensors.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/serving.hpp"
+#include "dte/receive/replica.hpp"
 #include "dte/receive/route.hpp"
 #include "dte/receive/staged.hpp"
 #include "dte/storage/chunk.hpp"
@@ -341,8 +342,8 @@ class Reader {
     }
   }
 
-  // Per served replica and canonical tensor: its ranks' digests sum to the copies it holds
-  // times the manifest's.
+  // Per served replica and canonical tensor: its ranks' digests hold the manifest's
+  // (receive/replica.hpp).
   void check_digest(const Manifest& m) {
     const std::int64_t tp = layout_->topology().tp;
     for (std::size_t r = 0; r < replicas_.size(); ++r) {
@@ -352,8 +353,8 @@ class Reader {
           sum += receivers_[r * static_cast<std::size_t>(tp) + static_cast<std::size_t>(ts)]
                      ->digest()[static_cast<std::size_t>(t)];
         }
-        const auto copies = static_cast<Digest>(layout_->copies((*hf_)[t].kind));
-        if (sum != static_cast<Digest>(copies * m.digest[static_cast<std::size_t>(t)])) {
+        if (!receive::replica_holds(*hf_, *layout_, t, sum,
+                                    m.digest[static_cast<std::size_t>(t)])) {
           dirty_ = true;
           throw protocol_error("after applying version " + std::to_string(m.version) +
                                ", replica " + std::to_string(replicas_[r]) + " disagrees with " +
