@@ -15,12 +15,8 @@
 #pragma once
 
 #include <cstdint>
-#include <span>
 #include <string>
 #include <vector>
-
-#include "dte/layout/hf.hpp"
-#include "dte/numeric/round.hpp"
 
 namespace dte::golden {
 
@@ -86,20 +82,6 @@ inline Outcome run(Path& path, const Scenario& s) {
 inline int expected_publications(const Scenario& s) {
   return static_cast<int>(s.steps / s.every) + (s.full_at > 0 ? 1 : 0) +
          (s.flush && s.steps % s.every != 0 ? 1 : 0);
-}
-
-// Elements of a receiver holding the model as HF tensors (hf order) that differ from
-// round(canonical).
-inline std::int64_t hf_mismatches(const layout::HfModel& hf, const std::vector<float>& canonical,
-                                  std::span<const std::span<std::uint16_t>> tensors) {
-  std::int64_t bad = 0;
-  for (std::int64_t t = 0; t < hf.size(); ++t) {
-    const std::span<const std::uint16_t> x = tensors[static_cast<std::size_t>(t)];
-    for (std::size_t i = 0; i < x.size(); ++i) {
-      bad += x[i] != Bf16Format::round(canonical[static_cast<std::size_t>(hf[t].base) + i]);
-    }
-  }
-  return bad;
 }
 
 }  // namespace dte::golden

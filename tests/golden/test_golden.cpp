@@ -220,7 +220,7 @@ class PublicationPath final : public golden::Path {
   }
   std::int64_t mismatches() override {
     std::int64_t bad = 0;
-    if (hf_rx_) bad += golden::hf_mismatches(pub_.model(), tr_.theta, hf_tensors_->views);
+    if (hf_rx_) bad += sim::hf_mismatches(pub_.model(), tr_.theta, hf_tensors_->views);
     for (const auto& s : shards_)
       bad += sim::dense_mismatches(pub_.model(), s->layout(), tr_.theta, s->receiver());
     return bad;

@@ -26,6 +26,7 @@
 #include "dte/publication/publisher.hpp"
 #include "dte/publication/receiver.hpp"
 #include "dte/publication/storage.hpp"
+#include "dte/sim/dense_check.hpp"
 #include "flat_adamw.hpp"
 
 using namespace dte;
@@ -59,18 +60,6 @@ struct ShardTensors {
       views.emplace_back(d);
   }
 };
-
-std::int64_t hf_mismatches(const layout::HfModel& hf, const std::vector<float>& theta,
-                           const HfTensors& r) {
-  std::int64_t bad = 0;
-  for (std::int64_t t = 0; t < hf.size(); ++t) {
-    for (std::int64_t i = 0; i < hf[t].numel(); ++i) {
-      bad += r.data[static_cast<std::size_t>(t)][static_cast<std::size_t>(i)] !=
-             Bf16Format::round(theta[static_cast<std::size_t>(hf[t].base + i)]);
-    }
-  }
-  return bad;
-}
 
 // A trainer, its publisher, and one HF receiver over tensors owned here.
 struct Single {
@@ -137,7 +126,7 @@ TEST_CASE_FIXTURE(Single, "publication: refusals leave the receiver untouched") 
   tensors.data[3][0] ^= 0x0001;
   CHECK(rx.verify().empty());
   REQUIRE(rx.apply(v3).outcome == ApplyOutcome::committed);
-  CHECK(hf_mismatches(pub.model(), tr.theta, tensors) == 0);
+  CHECK(sim::hf_mismatches(pub.model(), tr.theta, tensors.views) == 0);
 
   SUBCASE("a shard receiver refuses the same way") {
     const layout::InferTopology topo{.tp = 2};
@@ -169,7 +158,7 @@ TEST_CASE_FIXTURE(
   CHECK(pub.last().full());
   CHECK(pub.version() == 2);
   REQUIRE(rx.apply(next).committed());
-  CHECK(hf_mismatches(pub.model(), tr.theta, tensors) == 0);
+  CHECK(sim::hf_mismatches(pub.model(), tr.theta, tensors.views) == 0);
 }
 
 TEST_CASE("publication: config_json gives the model back") {
@@ -206,7 +195,7 @@ TEST_CASE("publication: through storage, a reader that keeps up and one that lag
     // every fourth a full publication: an anchor on storage
     writer.write(publish(pub, tr, s % 4 == 0 && s > 0));
     CHECK(follow(rx_near) == 1);
-    CHECK(hf_mismatches(pub.model(), tr.theta, near) == 0);
+    CHECK(sim::hf_mismatches(pub.model(), tr.theta, near.views) == 0);
     if (s == 1) {
       CHECK(follow(rx_lag) == 2);  // the anchor v1 as a full publication, then v2
       source.reached(rx_lag.version());
@@ -214,10 +203,10 @@ TEST_CASE("publication: through storage, a reader that keeps up and one that lag
     if (s == 1) lag_theta = tr.theta;
   }
   CHECK(rx_lag.version() == 2);
-  CHECK(hf_mismatches(pub.model(), lag_theta, lagging) == 0);
+  CHECK(sim::hf_mismatches(pub.model(), lag_theta, lagging.views) == 0);
   // From v2 to v8: the walk down from v8 stops at the anchor v5 (a full publication), then v6..v8.
   CHECK(follow(rx_lag) == 4);
-  CHECK(hf_mismatches(pub.model(), tr.theta, lagging) == 0);
+  CHECK(sim::hf_mismatches(pub.model(), tr.theta, lagging.views) == 0);
   // A second writer on the root is refused; so is a publication out of order.
   CHECK_THROWS_AS(publication::StorageWriter(spec, root), protocol_error);
   tr.step();
@@ -241,6 +230,6 @@ TEST_CASE_FIXTURE(
   CHECK(resumed.last().full());
   CHECK(resumed.version() == 3);
   REQUIRE(rx.apply(next).committed());
-  CHECK(hf_mismatches(pub.model(), tr.theta, tensors) == 0);
+  CHECK(sim::hf_mismatches(pub.model(), tr.theta, tensors.views) == 0);
   CHECK_THROWS_AS(resumed.continue_after(7), invalid_argument);
 }

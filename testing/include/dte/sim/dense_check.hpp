@@ -50,4 +50,18 @@ std::int64_t dense_mismatches(const layout::HfModel& hf, const layout::ServingLa
   return bad;
 }
 
+// Elements of a receiver holding the model as HF tensors (tensors[t]: HF tensor t, in HfModel
+// order) that differ from round(canonical).
+template <class Format = Bf16Format>
+std::int64_t hf_mismatches(const layout::HfModel& hf, const std::vector<float>& canonical,
+                           std::span<const std::span<std::uint16_t>> tensors) {
+  std::int64_t bad = 0;
+  for (std::int64_t t = 0; t < hf.size(); ++t) {
+    const std::span<const std::uint16_t> x = tensors[static_cast<std::size_t>(t)];
+    for (std::size_t i = 0; i < x.size(); ++i)
+      bad += x[i] != Format::round(canonical[static_cast<std::size_t>(hf[t].base) + i]);
+  }
+  return bad;
+}
+
 }  // namespace dte::sim
