@@ -9,8 +9,9 @@
 //                PyTorch model) into HF tensors, every tiny family, K in {1, 3};
 //   shard        the same messages into every TP rank of tp 2 and 4 (KV rows replicated), each
 //                replica's digests against the trainer's.
-// Over MPI processes the same invariant runs in `dte simulate` (tests/mpi: mpi_simulate_golden_*,
-// sim/dense_check.hpp), and on a GPU in tests/cuda.
+// Over MPI processes the same suite runs on the engine with MpiTwoRound, one rank per process
+// (tests/mpi/golden_mpi.cpp, CTest mpi_golden), as does `dte simulate` (mpi_simulate_golden_*);
+// on a GPU the invariant runs in tests/cuda.
 #include <doctest/doctest.h>
 
 #include <unistd.h>
