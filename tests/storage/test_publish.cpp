@@ -13,6 +13,8 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -28,6 +30,7 @@
 #include "dte/sim/storage_cluster.hpp"
 #include "dte/sim/synthetic_trainer.hpp"
 #include "dte/storage/layout.hpp"
+#include "dte/storage/publisher.hpp"
 #include "dte/storage/read.hpp"
 #include "dte/storage/verify.hpp"
 
@@ -612,4 +615,71 @@ TEST_CASE("inspect: kinds, sizes, the chain, and every frame's content counted")
                  .size();
   CHECK(delta.content_bytes == plain);
   CHECK(delta.content_bytes > delta.bytes - 2000);
+}
+
+TEST_CASE("an anchor's parts: every element exactly once and the world's digest, or refused") {
+  const layout::HfModel hf(layout::model_preset("tiny-qwen3"));
+  Dir dir;
+  const Version v = 7;
+  // The model's values: element i of tensor t holds a BF16 pattern of its global index.
+  const auto value = [&](std::int64_t t, std::uint32_t i) {
+    return static_cast<std::uint16_t>(0x3C00 + ((hf[t].base + i) * 2654435761u >> 20) % 0x300);
+  };
+  std::vector<Digest> digest(static_cast<std::size_t>(hf.size()), 0);
+  for (std::int64_t t = 0; t < hf.size(); ++t) {
+    for (std::int64_t i = 0; i < hf[t].numel(); ++i)
+      digest[static_cast<std::size_t>(t)] +=
+          element_digest(hf[t].base + i, value(t, static_cast<std::uint32_t>(i)));
+  }
+  // Writer w's part: every tensor's elements [lo, hi) of its numel scaled to [0, 1], with
+  // `shift` added to the cut between the two writers (> 0: overlap, < 0: a gap).
+  const auto part = [&](std::uint32_t writer, std::int64_t shift) {
+    storage::Chunk c;
+    c.header = {v, no_version, 0, writer};
+    for (std::int64_t t = 0; t < hf.size(); ++t) {
+      const std::int64_t cut = hf[t].numel() / 2;
+      const std::int64_t lo = writer == 0 ? 0 : cut - std::min<std::int64_t>(shift, 0);
+      const std::int64_t hi = writer == 0 ? cut + std::max<std::int64_t>(shift, 0) : hf[t].numel();
+      storage::TensorDelta d;
+      d.tensor = t;
+      for (std::int64_t i = lo; i < hi; ++i) {
+        d.index.push_back(static_cast<std::uint32_t>(i));
+        d.bits.push_back(value(t, static_cast<std::uint32_t>(i)));
+      }
+      c.tensors.push_back(std::move(d));
+    }
+    const std::vector<std::byte> bytes = storage::encode_chunk(hf, c);
+    const std::string name = "part-" + std::to_string(writer) + ".zst";
+    io::write_file_atomic(dir.path / name, bytes, "test part");
+    return storage::ChunkEntry{name, bytes.size(), storage::checksum(bytes), 0, writer};
+  };
+  const auto write = [&](std::int64_t shift, const std::vector<Digest>& d) {
+    return storage::write_anchor_shards(hf, dir.path, v, {part(0, shift), part(1, shift)}, d,
+                                        std::uint64_t{1} << 30);
+  };
+  SUBCASE("two parts that cover the model: an HF checkpoint of its values") {
+    const std::vector<storage::ChunkEntry> files = write(0, digest);
+    REQUIRE(files.size() == 1);
+    const io::SafetensorsFile f = io::SafetensorsFile::read(dir.path / files[0].file);
+    for (std::int64_t t = 0; t < hf.size(); ++t) {
+      const auto bytes = f.bytes(f.at(hf.name(t)));
+      REQUIRE(bytes.size() == 2 * static_cast<std::size_t>(hf[t].numel()));
+      std::uint16_t first = 0, last = 0;
+      std::memcpy(&first, bytes.data(), 2);
+      std::memcpy(&last, bytes.data() + bytes.size() - 2, 2);
+      CHECK(first == value(t, 0));
+      CHECK(last == value(t, static_cast<std::uint32_t>(hf[t].numel() - 1)));
+    }
+  }
+  SUBCASE("an element in both parts") {
+    CHECK_THROWS_WITH_AS(write(1, digest), doctest::Contains("twice"), error);
+  }
+  SUBCASE("an element in neither") {
+    CHECK_THROWS_WITH_AS(write(-1, digest), doctest::Contains("live elements"), error);
+  }
+  SUBCASE("a digest other than the world's") {
+    std::vector<Digest> other = digest;
+    other.back() += 1;
+    CHECK_THROWS_WITH_AS(write(0, other), doctest::Contains("digest mismatch"), error);
+  }
 }

@@ -20,7 +20,7 @@
 //
 // Speed: the targets of a sparse publication are scattered over tensors far larger than the
 // caches, so each write is a cache miss. The commit walks the writes with software prefetches a
-// fixed distance ahead, so the misses overlap instead of arriving one at a time.
+// fixed distance ahead, across pieces, so the misses overlap instead of arriving one at a time.
 #pragma once
 
 #include <algorithm>
@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -203,6 +204,13 @@ class Core {
   // Every piece inside the live part of an existing tensor; a no-op carries nothing; a full
   // publication writes every live element exactly once. Memory per piece, nothing per write.
   void check(const StagedWrites& w) const {
+    check_bounds(w);
+    if (w.full()) check_cover(w);
+  }
+
+ private:
+  // check() but the coverage of a full publication.
+  void check_bounds(const StagedWrites& w) const {
     if (w.kind == MessageKind::noop && w.size() != 0) {
       throw protocol_error(who_ + ": a no-op version carries elements",
                            context(w.pieces.front().source, w.version));
@@ -236,7 +244,55 @@ class Core {
                            context(p.source, w.version));
       }
     }
-    if (w.full()) check_cover(w);
+  }
+
+ public:
+  // A full publication applied part by part, for tensors nothing serves yet (a storage anchor
+  // being assembled from its writers' chunks): begin_full, then commit_part per part (checked as
+  // check() checks, coverage excepted, and written at once: no staging of the whole
+  // publication), then finish_full, which checks the coverage over every part and the digest
+  // against `expected`, and commits the version. A refusal at any point leaves the version and
+  // the digest as they were, and the tensors partly written.
+  void begin_full(Version version) {
+    (void)chain(MessageKind::full, version, no_version);
+    parts_ = Parts{};
+    parts_->version = version;
+    parts_->digest = digest_;
+    std::fill(digest_.begin(), digest_.end(), Digest{0});
+  }
+  void commit_part(StagedWrites& w) {
+    if (!parts_ || sink_ || !w.full() || w.version != parts_->version || w.any_diff()) {
+      throw invalid_argument(who_ +
+                             ": commit_part takes the value-encoded parts of the full "
+                             "publication begin_full opened, into host tensors");
+    }
+    try {
+      check_bounds(w);
+      add_spans(w, parts_->spans);
+      parts_->written += w.size();
+      apply_pass<false>(w);
+    } catch (...) {
+      abandon_parts();
+      throw;
+    }
+  }
+  void finish_full(std::span<const Digest> expected) {
+    if (!parts_) throw invalid_argument(who_ + ": finish_full without begin_full");
+    try {
+      check_cover(std::move(parts_->spans), parts_->written, parts_->version);
+      for (std::size_t t = 0; t < digest_.size(); ++t) {
+        if (t < expected.size() && digest_[t] == expected[t]) continue;
+        throw protocol_error(who_ + ": after version " + std::to_string(parts_->version) +
+                                 " tensor " + canonical_name_(static_cast<std::int64_t>(t)) +
+                                 " differs from the trainer's (digest mismatch)",
+                             context(-1, parts_->version));
+      }
+    } catch (...) {
+      abandon_parts();
+      throw;
+    }
+    version_ = parts_->version;
+    parts_.reset();
   }
 
   // Applies checked writes of a publication the chain accepted (or a repair) and commits its
@@ -292,6 +348,9 @@ class Core {
   template <bool keep_old>
   void apply_pass(StagedWrites& w) {
     const bool full = w.full();
+    Ahead ahead(w, tensors_);
+    for (std::size_t k = 0; k < prefetch_distance; ++k)
+      ahead.step();
     for (const Piece& p : w.pieces) {
       if (keep_old && p.values != nullptr) {
         throw invalid_argument(who_ + ": writes read in place cannot be undone (report this)");
@@ -318,13 +377,43 @@ class Core {
         const std::uint32_t* idx = w.index.data() + p.at;
         const std::uint32_t* key = w.key.data() + p.at;
         for (std::size_t k = 0; k < n; ++k) {
-          if (k + prefetch_distance < n) __builtin_prefetch(x + idx[k + prefetch_distance], 1);
+          ahead.step();
           write(x[idx[k]], key[k], bits[k], k);
         }
       }
       digest_[p.canonical] = d;
     }
   }
+
+  // The software prefetch: a cursor prefetch_distance sparse writes ahead of the one being
+  // applied, across pieces (a shard's pieces can be a few writes each: a cursor within one
+  // piece would start every piece cold). Dense pieces are sequential: the hardware fetches
+  // those.
+  class Ahead {
+   public:
+    Ahead(const StagedWrites& w, const ReceiverTensors& tensors)
+        : w_(&w), tensors_(&tensors), q_(w.pieces.data()), end_(q_ + w.pieces.size()) {}
+    void step() noexcept {
+      while (i_ == i_end_) {
+        if (q_ == end_) return;
+        const Piece& p = *q_++;
+        if (p.dense) continue;
+        base_ = (*tensors_)[p.tensor].data();
+        i_ = w_->index.data() + p.at;
+        i_end_ = i_ + p.count();
+      }
+      __builtin_prefetch(base_ + *i_++, 1);
+    }
+
+   private:
+    const StagedWrites* w_;
+    const ReceiverTensors* tensors_;
+    const Piece* q_;
+    const Piece* end_;
+    const std::uint32_t* i_ = nullptr;
+    const std::uint32_t* i_end_ = nullptr;
+    const std::uint16_t* base_ = nullptr;
+  };
 
   // After apply_pass<true>: every element back to what it held, last write first (an element
   // written twice ends with its first old value).
@@ -338,16 +427,27 @@ class Core {
     }
   }
 
-  void check_cover(const StagedWrites& w) const {
-    struct Span {
-      std::uint32_t tensor, first, last;
-      std::int64_t src;
-    };
-    std::vector<Span> spans;
-    spans.reserve(w.pieces.size());
+  // What a full publication's coverage check needs of its writes: per non-empty piece the
+  // receiver elements it writes. Memory per piece, nothing per write.
+  struct Span {
+    std::uint32_t tensor, first, last;
+    std::int64_t src;
+  };
+  static void add_spans(const StagedWrites& w, std::vector<Span>& spans) {
     for (const Piece& p : w.pieces) {
       if (p.count() != 0) spans.push_back({p.tensor, w.first(p), w.last(p), p.source});
     }
+  }
+
+  void check_cover(const StagedWrites& w) const {
+    std::vector<Span> spans;
+    spans.reserve(w.pieces.size());
+    add_spans(w, spans);
+    check_cover(std::move(spans), w.size(), w.version);
+  }
+
+  // Pairwise disjoint, and `written` (their writes) equal to the live elements.
+  void check_cover(std::vector<Span> spans, std::uint64_t written, Version version) const {
     std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) {
       return a.tensor != b.tensor ? a.tensor < b.tensor : a.first < b.first;
     });
@@ -356,23 +456,23 @@ class Core {
       const Span& b = spans[i];
       if (a.tensor == b.tensor && b.first <= a.last) {
         throw protocol_error(
-            who_ + ": the full publication of version " + std::to_string(w.version) +
+            who_ + ": the full publication of version " + std::to_string(version) +
                 " writes elements " + std::to_string(b.first) + " to " +
                 std::to_string(std::min(a.last, b.last)) + " of " + name_(a.tensor) + " twice" +
                 (a.src >= 0
                      ? " (senders " + std::to_string(a.src) + " and " + std::to_string(b.src) + ")"
                      : std::string()),
-            context(b.src, w.version));
+            context(b.src, version));
       }
     }
     std::uint64_t live = 0;
     for (std::uint64_t n : live_end_)
       live += n;
-    if (w.size() != live) {
-      throw protocol_error(who_ + ": the full publication of version " + std::to_string(w.version) +
-                               " writes " + std::to_string(w.size()) + " of the " +
+    if (written != live) {
+      throw protocol_error(who_ + ": the full publication of version " + std::to_string(version) +
+                               " writes " + std::to_string(written) + " of the " +
                                std::to_string(live) + " live elements this receiver holds; refused",
-                           context(-1, w.version));
+                           context(-1, version));
     }
   }
 
@@ -385,6 +485,19 @@ class Core {
   ReceiverTensors tensors_;           // host tensors, or
   std::shared_ptr<TensorSink> sink_;  // device tensors
   std::vector<Digest> digest_;        // per canonical tensor
+  // A full publication being committed part by part (begin_full .. finish_full).
+  struct Parts {
+    Version version = no_version;
+    std::vector<Digest> digest;  // held before it began
+    std::vector<Span> spans;
+    std::uint64_t written = 0;
+  };
+  std::optional<Parts> parts_;
+
+  void abandon_parts() noexcept {
+    digest_ = std::move(parts_->digest);
+    parts_.reset();
+  }
 };
 
 }  // namespace receive

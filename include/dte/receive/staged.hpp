@@ -20,6 +20,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <new>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "dte/core/digest.hpp"
@@ -29,6 +33,32 @@ namespace dte::receive {
 
 static_assert(std::endian::native == std::endian::little,
               "StagedWrites reads little-endian 16-bit values in place");
+
+// An allocator whose resize() leaves new elements of a trivial type uninitialized: staging
+// grows its columns by the size of each chunk entry and overwrites them at once, so the zero fill
+// a std::vector does first is a pass over memory for nothing (up to 11% of an apply, measured).
+template <class T>
+struct UninitAllocator : std::allocator<T> {
+  template <class U>
+  struct rebind {
+    using other = UninitAllocator<U>;
+  };
+  UninitAllocator() = default;
+  template <class U>
+  explicit UninitAllocator(const UninitAllocator<U>&) noexcept {}
+  template <class U>
+  void construct(U* p) noexcept(std::is_nothrow_default_constructible_v<U>) {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <class U, class... A>
+  void construct(U* p, A&&... a) {
+    ::new (static_cast<void*>(p)) U(std::forward<A>(a)...);
+  }
+};
+
+// A column of staged writes: a std::vector that grows without zero-filling.
+template <class T>
+using Column = std::vector<T, UninitAllocator<T>>;
 
 struct Piece {
   std::uint32_t tensor = 0;     // receiver tensor
@@ -66,9 +96,9 @@ struct StagedWrites {
   // mix both (storage's diff chunks beside value chunks).
   bool diff = false;
   std::vector<Piece> pieces;
-  std::vector<std::uint16_t> bits;   // per write
-  std::vector<std::uint32_t> index;  // per sparse write
-  std::vector<std::uint32_t> key;    // per sparse write: detail::digest_key of its element
+  Column<std::uint16_t> bits;   // per write
+  Column<std::uint32_t> index;  // per sparse write
+  Column<std::uint32_t> key;    // per sparse write: detail::digest_key of its element
 
   std::size_t external = 0;  // writes whose values are read in place (Piece::values)
 
@@ -124,7 +154,7 @@ struct StagedWrites {
       i_out[k] = static_cast<std::uint32_t>(idx[k] + shift);
       k_out[k] = detail::digest_key(idx[k] + global_shift);
     }
-    bits.insert(bits.end(), b, b + n);
+    append(b, n);
     pieces.back().end = bits.size();
   }
 
@@ -134,7 +164,7 @@ struct StagedWrites {
                 std::int64_t source = -1) {
     if (n == 0) return;
     Piece& p = open_dense(tensor, canonical, first, global, source);
-    bits.insert(bits.end(), b, b + n);
+    append(b, n);
     p.end = bits.size();
   }
 
@@ -170,6 +200,12 @@ struct StagedWrites {
   }
 
  private:
+  void append(const std::uint16_t* b, std::size_t n) {
+    const std::size_t at = bits.size();
+    bits.resize(at + n);
+    std::memcpy(bits.data() + at, b, n * sizeof(std::uint16_t));
+  }
+
   // A new sparse piece unless the open one continues with this write (same tensors, sender and
   // encoding, a larger index).
   void open_sparse(std::uint32_t tensor, std::uint32_t canonical, std::uint32_t i,

@@ -49,6 +49,9 @@
 #include "dte/layout/hf.hpp"
 #include "dte/layout/topology.hpp"
 #include "dte/pipeline/frame.hpp"
+#include "dte/receive/core.hpp"
+#include "dte/receive/route.hpp"
+#include "dte/receive/staged.hpp"
 #include "dte/storage/chunk.hpp"
 #include "dte/storage/chunk_sink.hpp"
 #include "dte/storage/layout.hpp"
@@ -106,9 +109,12 @@ inline std::uint64_t file_size(const std::filesystem::path& p) {
 }  // namespace detail
 
 // Rank 0 of an anchor: the writers' parts (listed in `parts`, already checked by size and
-// xxh3 on reading) assembled into a Hugging Face checkpoint directory in `dir`; every element
-// exactly once, checked against the world's digest. Returns the shard files for the manifest.
-// Holds the model as BF16 (2 bytes per parameter) while it writes.
+// xxh3 on reading) assembled into a Hugging Face checkpoint directory in `dir`. The parts are
+// committed one by one through a receiver core over the model's HF tensors
+// (receive::Core::begin_full .. finish_full): every element exactly once and the world's digest,
+// the rules every receiver applies to a full publication. Returns the shard files for the
+// manifest. Holds the model as BF16 (2 bytes per parameter) while it writes, and one part's
+// decoded chunk at a time.
 inline std::vector<ChunkEntry> write_anchor_shards(const layout::HfModel& hf,
                                                    const std::filesystem::path& dir, Version v,
                                                    const std::vector<ChunkEntry>& parts,
@@ -116,32 +122,34 @@ inline std::vector<ChunkEntry> write_anchor_shards(const layout::HfModel& hf,
                                                    std::uint64_t shard_bytes) {
   const auto tensors = static_cast<std::size_t>(hf.size());
   std::vector<std::vector<std::uint16_t>> full(tensors);
-  std::vector<std::uint64_t> filled(tensors, 0);
-  for (std::size_t t = 0; t < tensors; ++t)
-    full[t].resize(static_cast<std::size_t>(hf[static_cast<std::int64_t>(t)].numel()));
-  Manifest staged;
-  staged.version = v;
-  staged.base = no_version;
-  for (const ChunkEntry& e : parts) {
-    const Chunk c = read_chunk(hf, dir, staged, e);
-    for (const TensorDelta& d : c.tensors) {
-      auto& out = full[static_cast<std::size_t>(d.tensor)];
-      for (std::size_t k = 0; k < d.index.size(); ++k)
-        out[d.index[k]] = d.bits[k];
-      filled[static_cast<std::size_t>(d.tensor)] += d.index.size();
-    }
-  }
+  ReceiverTensors views;
   for (std::size_t t = 0; t < tensors; ++t) {
-    const auto id = static_cast<std::int64_t>(t);
-    Digest sum = 0;
-    for (std::size_t i = 0; i < full[t].size(); ++i)
-      sum += element_digest(hf[id].base + static_cast<std::int64_t>(i), full[t][i]);
-    if (filled[t] != full[t].size() || sum != digest[t]) {
-      throw error("anchor v" + std::to_string(v) + ": tensor " + hf.name(id) + " received " +
-                  std::to_string(filled[t]) + " elements of " + std::to_string(full[t].size()) +
-                  (sum != digest[t] ? " and its digest differs from the writers'" : "") +
-                  "; the trainer ranks do not cover the model exactly once (report this)");
-    }
+    full[t].resize(static_cast<std::size_t>(hf[static_cast<std::int64_t>(t)].numel()));
+    views.emplace_back(full[t]);
+  }
+  receive::Core core = receive::hf_core(hf, "anchor v" + std::to_string(v));
+  core.hold(std::move(views));
+  core.begin_full(v);
+  ChunkScratch scratch;
+  receive::StagedWrites w;
+  for (const ChunkEntry& e : parts) {
+    w.clear();
+    w.kind = MessageKind::full;
+    w.version = v;
+    const std::vector<std::byte> bytes = read_chunk_bytes(dir, e);
+    const ChunkHeader expect{v, no_version, e.chunk, e.writer};
+    (void)visit_chunk(hf, bytes, (dir / e.file).string(), &expect, nullptr, scratch,
+                      [&](const Chunk&, std::int64_t t, std::span<const std::uint32_t> index,
+                          std::span<const std::uint16_t> bits) {
+                        receive::route_hf(hf, t, index.data(), bits.data(), index.size(), w);
+                      });
+    core.commit_part(w);
+  }
+  try {
+    core.finish_full(digest);
+  } catch (const protocol_error& x) {
+    throw error(std::string(x.what()) +
+                "; the trainer ranks do not cover the model exactly once (report this)");
   }
   // Tensors in model order, a new shard file when the next would pass shard_bytes.
   std::vector<std::vector<std::size_t>> files(1);
