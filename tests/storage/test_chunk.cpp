@@ -128,6 +128,70 @@ TEST_CASE("gap code: escapes at 255 and 65535, exact round trip, refusals name t
                        doctest::Contains("only 2 index bytes"), format_error);
 }
 
+TEST_CASE("gap code: the eight-at-a-time decode equals one at a time, faults included") {
+  // Runs of one-byte gaps (the fast path) broken by escapes at every position of an eight-byte
+  // group, and limits that fall inside a group: get_gaps must return what a plain one-at-a-time
+  // decode returns, and refuse where it refuses, naming the same entry.
+  std::mt19937_64 rng(7);
+  const auto reference = [](const std::vector<std::uint8_t>& code, std::uint64_t count,
+                            std::uint64_t limit) {
+    std::vector<std::uint32_t> out;
+    std::size_t at = 0;
+    std::uint64_t next = 0;
+    for (std::uint64_t k = 0; k < count; ++k) {
+      if (at >= code.size()) return std::pair(out, std::string("ends"));
+      std::uint64_t gap = code[at++];
+      if (gap == 255) {
+        if (code.size() - at < 2) return std::pair(out, std::string("escape"));
+        gap = code[at] | (std::uint64_t{code[at + 1]} << 8);
+        at += 2;
+        if (gap == 65535) {
+          if (code.size() - at < 4) return std::pair(out, std::string("escape"));
+          gap = 0;
+          for (int b = 0; b < 4; ++b)
+            gap |= std::uint64_t{code[at++]} << (8 * b);
+        }
+      }
+      const std::uint64_t v = next + gap;
+      if (v >= limit) return std::pair(out, "past " + std::to_string(k));
+      out.push_back(static_cast<std::uint32_t>(v));
+      next = v + 1;
+    }
+    return std::pair(out, at == code.size() ? std::string() : std::string("trailing"));
+  };
+  int fast_groups = 0, past = 0;
+  for (int trial = 0; trial < 3000; ++trial) {
+    std::vector<std::uint32_t> idx;
+    std::uint64_t next = 0;
+    const int n = 1 + static_cast<int>(rng() % 60);
+    for (int k = 0; k < n; ++k) {
+      const std::uint64_t r = rng() % 100;
+      const std::uint64_t gap = r < 80 ? rng() % 255 : r < 95 ? 255 + rng() % 70000 : rng() % 3;
+      next += gap;
+      idx.push_back(static_cast<std::uint32_t>(next));
+      ++next;
+    }
+    std::vector<std::uint8_t> code;
+    storage::put_gaps(idx, code);
+    // A limit anywhere from below the first index to past the last.
+    const std::uint64_t limit = trial % 3 == 0 ? next : 1 + rng() % (next + 8);
+    const auto [want, fault] = reference(code, idx.size(), limit);
+    fast_groups += idx.size() >= 8;
+    if (fault.empty()) {
+      CHECK(storage::get_gaps(code, idx.size(), limit, "t") == want);
+      CHECK(want == idx);
+    } else {
+      ++past;
+      REQUIRE(fault.starts_with("past"));
+      const std::string entry = "(entry " + fault.substr(5) + ")";
+      CHECK_THROWS_WITH_AS(storage::get_gaps(code, idx.size(), limit, "t"),
+                           doctest::Contains(entry.c_str()), format_error);
+    }
+  }
+  CHECK(fast_groups > 1000);
+  CHECK(past > 500);
+}
+
 TEST_CASE("a chunk round trips exactly, and says what it is") {
   for (std::uint64_t seed : {1u, 2u, 3u}) {
     const Chunk c = sample(seed);

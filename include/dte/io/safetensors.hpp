@@ -410,8 +410,8 @@ class SafetensorsFile {
     if (detail::read_plain_header(text, plain)) {
       metadata_ = std::move(plain.metadata);
       tensors_.reserve(plain.tensors.size());
-      for (const detail::HeaderEntry& e : plain.tensors)
-        tensors_.push_back(check_entry(e));
+      for (detail::HeaderEntry& e : plain.tensors)
+        tensors_.push_back(check_entry(std::move(e)));
     } else {
       const nlohmann::json json = parse_strict(text, source_, "header", 16);
       if (!json.is_object()) fail("header is not a JSON object");
@@ -516,21 +516,21 @@ class SafetensorsFile {
 
   // A tensor entry as written (schema already checked) as a TensorInfo: its dtype known, its
   // size free of overflow, its offsets spanning exactly its bytes.
-  TensorInfo check_entry(const detail::HeaderEntry& e) const {
-    const std::string what = "tensor " + detail::quote_name(e.name);
+  TensorInfo check_entry(detail::HeaderEntry e) const {
+    // (the refusal's words are made only for a refusal: this runs per entry of every chunk)
+    const auto what = [&] { return "tensor " + detail::quote_name(e.name); };
     if (e.name.empty()) fail("a tensor has an empty name");
-    TensorInfo info;
-    info.name = e.name;
     const auto parsed = parse_dtype(e.dtype);
     if (!parsed) {
       std::string known;
       for (DType d : all_dtypes)
         known += (known.empty() ? "" : ", ") + std::string(dtype_name(d));
-      fail(what + " has unknown or unsupported dtype " + detail::quote_name(e.dtype) +
+      fail(what() + " has unknown or unsupported dtype " + detail::quote_name(e.dtype) +
            " (supported: " + known + ")");
     }
+    TensorInfo info;
     info.dtype = *parsed;
-    info.shape = e.shape;
+    info.shape = std::move(e.shape);
     // A tensor with a 0 in its shape is empty however large its other dimensions are.
     std::uint64_t numel = 1;
     if (std::find(info.shape.begin(), info.shape.end(), std::uint64_t{0}) != info.shape.end()) {
@@ -538,24 +538,25 @@ class SafetensorsFile {
     } else {
       for (std::uint64_t d : info.shape) {
         const auto next = detail::checked_mul(numel, d);
-        if (!next) fail(what + ": the product of its shape overflows 64 bits");
+        if (!next) fail(what() + ": the product of its shape overflows 64 bits");
         numel = *next;
       }
     }
     const auto nbytes = detail::checked_mul(numel, dtype_size(info.dtype));
-    if (!nbytes) fail(what + ": its size in bytes (numel * dtype size) overflows 64 bits");
+    if (!nbytes) fail(what() + ": its size in bytes (numel * dtype size) overflows 64 bits");
     info.begin = e.offsets[0];
     info.end = e.offsets[1];
     if (info.end < info.begin) {
-      fail(what + ": data_offsets end " + std::to_string(info.end) + " is before begin " +
+      fail(what() + ": data_offsets end " + std::to_string(info.end) + " is before begin " +
            std::to_string(info.begin));
     }
     if (info.end - info.begin != *nbytes) {
-      fail(what + ": data_offsets span " + std::to_string(info.end - info.begin) +
+      fail(what() + ": data_offsets span " + std::to_string(info.end - info.begin) +
            " bytes but its shape and dtype " + std::string(dtype_name(info.dtype)) + " need " +
            std::to_string(*nbytes) + " (numel " + std::to_string(numel) + " * " +
            std::to_string(dtype_size(info.dtype)) + ")");
     }
+    info.name = std::move(e.name);
     return info;
   }
 

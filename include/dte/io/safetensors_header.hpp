@@ -15,6 +15,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -30,7 +31,7 @@ struct HeaderEntry {
   std::string name;
   std::string dtype;
   std::vector<std::uint64_t> shape;
-  std::vector<std::uint64_t> offsets;  // data_offsets as written
+  std::array<std::uint64_t, 2> offsets{};  // data_offsets as written
 };
 
 struct PlainHeader {
@@ -164,7 +165,8 @@ class PlainHeaderReader {
         if (!numbers(e.shape)) return false;
         shape = true;
       } else if (key == "data_offsets" && !offsets) {
-        if (!numbers(e.offsets) || e.offsets.size() != 2) return false;
+        if (!numbers(pair_) || pair_.size() != 2) return false;
+        e.offsets = {pair_[0], pair_[1]};
         offsets = true;
       } else {
         return false;  // unknown or repeated: the strict parser words it
@@ -193,6 +195,7 @@ class PlainHeaderReader {
 
   std::string_view s_;
   std::size_t p_ = 0;
+  std::vector<std::uint64_t> pair_;  // data_offsets as read (reused: no allocation per entry)
 };
 
 inline bool read_plain_header(std::string_view text, PlainHeader& out) {

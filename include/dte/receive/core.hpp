@@ -337,54 +337,6 @@ class Core {
   }
 
  private:
-  static std::uint16_t resolve(bool diff, std::uint16_t held, std::uint16_t code) noexcept {
-    return diff ? storage::diff_apply(held, code) : code;
-  }
-
-  // Every write applied in write order with the digest moved (an element written twice is
-  // overwritten in turn, its digest term with it). keep_old: what each write overwrote is left
-  // in its place in w.bits, for undo_pass; values read in place (wire runs) have nowhere to keep
-  // it, so a caller that passes an expected digest stages its values.
-  template <bool keep_old>
-  void apply_pass(StagedWrites& w) {
-    const bool full = w.full();
-    Ahead ahead(w, tensors_);
-    for (std::size_t k = 0; k < prefetch_distance; ++k)
-      ahead.step();
-    for (const Piece& p : w.pieces) {
-      if (keep_old && p.values != nullptr) {
-        throw invalid_argument(who_ + ": writes read in place cannot be undone (report this)");
-      }
-      std::uint16_t* x = tensors_[p.tensor].data();
-      std::uint16_t* bits = w.bits.data() + p.begin;
-      const std::size_t n = p.count();
-      Digest d = digest_[p.canonical];
-      const auto write = [&](std::uint16_t& cell, std::uint32_t key, std::uint16_t code,
-                             std::size_t k) {
-        const std::uint16_t old = cell;
-        const std::uint16_t now = resolve(p.diff, old, code);
-        d += detail::digest_mix(key, now) - (full ? 0 : detail::digest_mix(key, old));
-        cell = now;
-        if constexpr (keep_old) bits[k] = old;
-      };
-      if (p.dense) {
-        std::uint16_t* cell = x + p.first;
-        for (std::size_t k = 0; k < n; ++k) {
-          write(cell[k], detail::digest_key(p.global + static_cast<std::int64_t>(k)),
-                p.value(w.bits.data(), k), k);
-        }
-      } else {
-        const std::uint32_t* idx = w.index.data() + p.at;
-        const std::uint32_t* key = w.key.data() + p.at;
-        for (std::size_t k = 0; k < n; ++k) {
-          ahead.step();
-          write(x[idx[k]], key[k], bits[k], k);
-        }
-      }
-      digest_[p.canonical] = d;
-    }
-  }
-
   // The software prefetch: a cursor prefetch_distance sparse writes ahead of the one being
   // applied, across pieces (a shard's pieces can be a few writes each: a cursor within one
   // piece would start every piece cold). Dense pieces are sequential: the hardware fetches
@@ -414,6 +366,72 @@ class Core {
     const std::uint32_t* i_end_ = nullptr;
     const std::uint16_t* base_ = nullptr;
   };
+
+  // Every write applied in write order with the digest moved (an element written twice is
+  // overwritten in turn, its digest term with it). keep_old: what each write overwrote is left
+  // in its place in w.bits, for undo_pass; values read in place (wire runs) have nowhere to keep
+  // it, so a caller that passes an expected digest stages its values.
+  template <bool keep_old>
+  void apply_pass(StagedWrites& w) {
+    const bool full = w.full();
+    Ahead ahead(w, tensors_);
+    for (std::size_t k = 0; k < prefetch_distance; ++k)
+      ahead.step();
+    for (const Piece& p : w.pieces) {
+      if (keep_old && p.values != nullptr) {
+        throw invalid_argument(who_ + ": writes read in place cannot be undone (report this)");
+      }
+      Digest& d = digest_[p.canonical];
+      // (the encoding and the kind fixed per piece, so the loop over its writes has no branch on
+      // them: this loop is most of a sparse apply)
+      if (p.diff) {
+        if (full) {
+          apply_piece<keep_old, true, true>(w, p, ahead, d);
+        } else {
+          apply_piece<keep_old, true, false>(w, p, ahead, d);
+        }
+      } else if (full) {
+        apply_piece<keep_old, false, true>(w, p, ahead, d);
+      } else {
+        apply_piece<keep_old, false, false>(w, p, ahead, d);
+      }
+    }
+  }
+
+  template <bool keep_old, bool diff, bool full>
+  void apply_piece(StagedWrites& w, const Piece& p, Ahead& ahead, Digest& digest) {
+    std::uint16_t* x = tensors_[p.tensor].data();
+    std::uint16_t* bits = w.bits.data() + p.begin;
+    const std::size_t n = p.count();
+    Digest d = digest;
+    const auto write = [&](std::uint16_t& cell, std::uint32_t key, std::uint16_t code,
+                           std::size_t k) {
+      const std::uint16_t old = cell;
+      const std::uint16_t now = diff ? storage::diff_apply(old, code) : code;
+      if constexpr (full) {
+        d += detail::digest_mix(key, now);
+      } else {
+        d += detail::digest_mix(key, now) - detail::digest_mix(key, old);
+      }
+      cell = now;
+      if constexpr (keep_old) bits[k] = old;
+    };
+    if (p.dense) {
+      std::uint16_t* cell = x + p.first;
+      for (std::size_t k = 0; k < n; ++k) {
+        write(cell[k], detail::digest_key(p.global + static_cast<std::int64_t>(k)),
+              p.value(w.bits.data(), k), k);
+      }
+    } else {
+      const std::uint32_t* idx = w.index.data() + p.at;
+      const std::uint32_t* key = w.key.data() + p.at;
+      for (std::size_t k = 0; k < n; ++k) {
+        ahead.step();
+        write(x[idx[k]], key[k], bits[k], k);
+      }
+    }
+    digest = d;
+  }
 
   // After apply_pass<true>: every element back to what it held, last write first (an element
   // written twice ends with its first old value).

@@ -36,10 +36,10 @@ inline std::size_t consecutive(const std::uint32_t* index, std::size_t k, std::s
   return j - k;
 }
 
-// Writes at index[k] (index == nullptr: 0, 1, 2, ...) with bits[k], k < n, into pieces of
-// `out`: runs of at least min_dense_run consecutive indices as dense pieces, the stretches
-// between them as sparse ones. Receiver index = index + shift; canonical global index = index +
-// global_shift.
+// Writes at index[k] (strictly increasing; index == nullptr: 0, 1, 2, ...) with bits[k], k < n,
+// into pieces of `out`: runs of at least min_dense_run consecutive indices as dense pieces, the
+// stretches between them as sparse ones. Receiver index = index + shift; canonical global index =
+// index + global_shift.
 inline void push_writes(StagedWrites& out, std::uint32_t tensor, std::uint32_t canonical,
                         const std::uint32_t* index, std::int64_t first, std::int64_t shift,
                         std::int64_t global_shift, const std::uint16_t* bits, std::size_t n) {
@@ -49,12 +49,14 @@ inline void push_writes(StagedWrites& out, std::uint32_t tensor, std::uint32_t c
     return;
   }
   std::size_t sparse = 0;  // the stretch [sparse, k) not yet pushed
-  for (std::size_t k = 0; k < n;) {
-    const std::size_t run = consecutive(index, k, n);
-    if (run < min_dense_run) {
-      k += run;
+  // (the indices increase strictly: min_dense_run of them from k are consecutive exactly when
+  // the last is min_dense_run - 1 above the first, one comparison per position)
+  for (std::size_t k = 0; n - k >= min_dense_run;) {
+    if (index[k + min_dense_run - 1] - index[k] != min_dense_run - 1) {
+      ++k;
       continue;
     }
+    const std::size_t run = consecutive(index, k, n);
     out.push_sparse(tensor, canonical, index + sparse, shift, global_shift, bits + sparse,
                     k - sparse);
     out.push_run(tensor, canonical, static_cast<std::uint32_t>(index[k] + shift),

@@ -36,6 +36,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <array>
 #include <charconv>
 #include <cstddef>
 #include <cstdint>
@@ -262,6 +263,14 @@ class ChunkScratch {
   std::vector<std::byte> plain;
   std::vector<std::uint32_t> index;
   std::vector<std::uint16_t> bits;
+  // The decoder's table of a chunk's entries: per HF tensor (HfModel id) its row in `parts`
+  // (-1: none), and per row its ':index', ':value_hi' and ':value_lo' entries.
+  struct Row {
+    std::int64_t id;
+    std::array<const io::TensorInfo*, 3> part;
+  };
+  std::vector<std::int32_t> slot;
+  std::vector<Row> parts;
 
  private:
   ZSTD_DCtx* dctx_;
@@ -523,39 +532,68 @@ Chunk detail::visit_chunk(const layout::HfModel& hf, std::span<const std::byte> 
         std::to_string(expect->chunk) + " writer " + std::to_string(expect->writer) +
         " (a chunk of another version or slot in its place)");
   }
+  // Each entry's HF tensor and part, looked up once: per HF tensor its three entries, in the
+  // name order of the file's entries (scratch.slot maps an HF id to its row of scratch.parts, and
+  // is reset to -1 however this ends).
   constexpr std::string_view parts[3] = {":index", ":value_hi", ":value_lo"};
+  auto& rows = scratch.parts;
+  auto& slot = scratch.slot;
+  if (slot.size() < static_cast<std::size_t>(hf.size()))
+    slot.resize(static_cast<std::size_t>(hf.size()), -1);
+  rows.clear();
+  struct ResetSlots {
+    ChunkScratch& s;
+    ~ResetSlots() {
+      for (const ChunkScratch::Row& r : s.parts)
+        s.slot[static_cast<std::size_t>(r.id)] = -1;
+    }
+  } reset_slots{scratch};
   for (const io::TensorInfo& info : file.tensors()) {
     const auto colon = info.name.rfind(':');
     const std::string_view suffix =
         colon == std::string::npos ? std::string_view{} : std::string_view(info.name).substr(colon);
-    if (std::find(std::begin(parts), std::end(parts), suffix) == std::end(parts)) {
+    const auto kind = static_cast<std::size_t>(
+        std::find(std::begin(parts), std::end(parts), suffix) - std::begin(parts));
+    if (kind == 3) {
       throw format_error(source + ": tensor '" + info.name +
                          "' is not '<name>:index', '<name>:value_hi' or '<name>:value_lo'");
     }
-    const std::string name = info.name.substr(0, colon);
-    if (hf.find(name) < 0) {
-      throw format_error(source + ": tensor '" + name + "' is not a tensor of " + hf.spec().name);
+    const std::string_view name = std::string_view(info.name).substr(0, colon);
+    const std::int64_t id = hf.find(name);
+    if (id < 0) {
+      throw format_error(source + ": tensor '" + std::string(name) + "' is not a tensor of " +
+                         hf.spec().name);
     }
-    for (std::string_view other : parts) {
-      if (file.find(name + std::string(other)) == nullptr) {
-        throw format_error(source + ": '" + info.name + "' without '" + name + std::string(other) +
-                           "'");
-      }
+    std::int32_t& row = slot[static_cast<std::size_t>(id)];
+    if (row < 0) {
+      row = static_cast<std::int32_t>(rows.size());
+      rows.push_back({id, {}});
+    }
+    rows[static_cast<std::size_t>(row)].part[kind] = &info;
+  }
+  for (const ChunkScratch::Row& r : rows) {
+    for (std::size_t k = 0; k < 3; ++k) {
+      if (r.part[k] != nullptr) continue;
+      const io::TensorInfo* some = r.part[0] != nullptr   ? r.part[0]
+                                   : r.part[1] != nullptr ? r.part[1]
+                                                          : r.part[2];
+      const std::string name = some->name.substr(0, some->name.rfind(':'));
+      throw format_error(source + ": '" + some->name + "' without '" + name +
+                         std::string(parts[k]) + "'");
     }
   }
-  for (const io::TensorInfo& info : file.tensors()) {
-    if (!info.name.ends_with(":index")) continue;
-    const std::string name = info.name.substr(0, info.name.size() - 6);
-    const io::TensorInfo& hi = file.at(name + ":value_hi");
-    const io::TensorInfo& lo = file.at(name + ":value_lo");
-    const std::string where = source + ": " + name;
+  for (const ChunkScratch::Row& r : rows) {
+    const io::TensorInfo& info = *r.part[0];
+    const io::TensorInfo& hi = *r.part[1];
+    const io::TensorInfo& lo = *r.part[2];
+    const std::string where = source + ": " + hf.name(r.id);
     if (info.dtype != io::DType::U8 || info.shape.size() != 1 || hi.dtype != io::DType::U8 ||
         hi.shape.size() != 1 || lo.dtype != io::DType::U8 || lo.shape != hi.shape) {
       throw format_error(where +
                          ": ':index', ':value_hi' and ':value_lo' must be U8 [k], U8 [n] "
                          "and U8 [n]");
     }
-    const std::int64_t id = hf.find(name);
+    const std::int64_t id = r.id;
     const std::uint64_t n = hi.shape[0];
     const auto gap_bytes = file.bytes(info);
     const std::span<const std::uint8_t> code{
