@@ -11,7 +11,8 @@
 //                replica's digests against the trainer's.
 // Over MPI processes the same suite runs on the engine with MpiTwoRound, one rank per process
 // (tests/mpi/golden_mpi.cpp, CTest mpi_golden), as does `dte simulate` (mpi_simulate_golden_*);
-// on a GPU the invariant runs in tests/cuda.
+// on a GPU the suite runs on the engine over exec::Cuda, device optimizer state and device
+// receivers (tests/cuda/test_cuda_golden.cu).
 #include <doctest/doctest.h>
 
 #include <unistd.h>
