@@ -351,6 +351,17 @@ TEST_CASE("F4: header must be UTF-8 JSON starting with '{', padded only with spa
     CHECK_THROWS_WITH_AS(parse(file(bad)), doctest::Contains("not valid UTF-8"), dte::format_error);
   }
   CHECK(contains(format_error_of([] { parse(file("{\"\xff\":1}")); }), "0xFF at header offset 2"));
+  // After ASCII runs of every length around the 8-byte steps the check takes: the same offset.
+  for (std::size_t run = 0; run < 20; ++run) {
+    const std::string name(run, 'a');
+    const std::string bad = "{\"" + name + "\xff\":1}";
+    CAPTURE(run);
+    CHECK(contains(format_error_of([&] { parse(file(bad)); }),
+                   "0xFF at header offset " + std::to_string(2 + run)));
+    // (valid UTF-8 after the run: refused for its schema, past the UTF-8 check)
+    CHECK_THROWS_WITH_AS(parse(file("{\"" + name + "\xc3\xa9\":1}")),
+                         doctest::Contains("must be an object"), dte::format_error);
+  }
   // Not JSON.
   CHECK_THROWS_WITH_AS(parse(file("{")), doctest::Contains("followed only by spaces"),
                        dte::format_error);

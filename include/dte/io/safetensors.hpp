@@ -179,6 +179,14 @@ inline std::size_t utf8_valid_prefix(std::string_view s) noexcept {
   const std::size_t n = s.size();
   std::size_t i = 0;
   while (i < n) {
+    // (ASCII eight bytes at a time: a header is nearly all ASCII, and is read per chunk)
+    while (n - i >= 8) {
+      std::uint64_t w = 0;
+      std::memcpy(&w, p + i, 8);
+      if ((w & 0x8080808080808080ull) != 0) break;
+      i += 8;
+    }
+    if (i == n) break;
     const unsigned char c = p[i];
     if (c < 0x80) {
       ++i;

@@ -73,8 +73,11 @@ class PlainHeaderReader {
     }
     ws();
     if (p_ != s_.size()) return false;
-    std::sort(out.tensors.begin(), out.tensors.end(),
-              [](const HeaderEntry& a, const HeaderEntry& b) { return a.name < b.name; });
+    const auto by_name = [](const HeaderEntry& a, const HeaderEntry& b) { return a.name < b.name; };
+    // (writers list their entries in name order; sorting is then one pass)
+    if (!std::is_sorted(out.tensors.begin(), out.tensors.end(), by_name)) {
+      std::sort(out.tensors.begin(), out.tensors.end(), by_name);
+    }
     for (std::size_t k = 1; k < out.tensors.size(); ++k) {
       if (out.tensors[k - 1].name == out.tensors[k].name) return false;  // a duplicate key
     }
@@ -104,17 +107,18 @@ class PlainHeaderReader {
   bool string(std::string_view& out) {
     if (!eat('"')) return false;
     const std::size_t begin = p_;
-    while (p_ < s_.size()) {
-      const auto c = static_cast<unsigned char>(s_[p_]);
-      if (c == '"') {
-        out = s_.substr(begin, p_ - begin);
-        ++p_;
-        return true;
-      }
-      if (c == '\\' || c < 0x20) return false;
-      ++p_;
+    const std::size_t end = s_.find('"', begin);
+    if (end == std::string_view::npos) return false;
+    // (one pass without a branch per character: headers are read per chunk)
+    unsigned bad = 0;
+    for (std::size_t i = begin; i < end; ++i) {
+      const auto c = static_cast<unsigned char>(s_[i]);
+      bad |= static_cast<unsigned>(c == '\\') | static_cast<unsigned>(c < 0x20);
     }
-    return false;
+    if (bad != 0) return false;
+    out = s_.substr(begin, end - begin);
+    p_ = end + 1;
+    return true;
   }
 
   // An unsigned integer as JSON writes it (no sign, no leading zero, no fraction or exponent:
