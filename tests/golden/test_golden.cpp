@@ -3,6 +3,8 @@
 //   engine       DeltaEngine over loopback ranks (the Megatron-sharded synthetic trainer, the
 //                routing sink, wire v2, receiver ranks of the serving layout), 3 topology pairs
 //                x K in {1, 2, 4, 8}, and the other families (tied, q/k/v biases, Llama);
+//                and templated over the inverses (AdamWInverse, AdamInverse, SgdMomentumInverse,
+//                the trainer running the optimizer each undoes), 2 topology pairs x K in {1, 3};
 //   storage      storage::Publisher writers and storage::Reader: a reader that keeps up, and one
 //                that lags 3 versions, over anchors every 5 versions;
 //   hf           publication messages (a flat FP32 trainer, what dte.TorchPublisher makes of a
@@ -29,6 +31,7 @@
 #include "dte/layout/model.hpp"
 #include "dte/layout/stack.hpp"
 #include "dte/optim/adam.hpp"
+#include "dte/optim/sgd.hpp"
 #include "dte/publication/publisher.hpp"
 #include "dte/publication/receiver.hpp"
 #include "dte/sim/access.hpp"
@@ -54,15 +57,19 @@ sim::SyntheticConfig lively() {
 // ---- engine over loopback ranks
 // ------------------------------------------------------------------
 
+// The engine of one optimizer inverse, reading the synthetic trainer (running the optimizer the
+// inverse undoes, cfg.optimizer) through Access.
+template <class Inverse, class Access>
 class EnginePath final : public golden::Path {
  public:
-  using Engine = DeltaEngine<AdamWInverse, BF16Detect, MegatronToHF, LoopbackTwoRound>;
+  using Engine = DeltaEngine<Inverse, BF16Detect, MegatronToHF, LoopbackTwoRound>;
 
-  EnginePath(const char* model, const char* train, const char* infer, std::int64_t every)
+  EnginePath(const char* model, const char* train, const char* infer, std::int64_t every,
+             const sim::SyntheticConfig& cfg = lively())
       : hf_(layout::model_preset(model)),
         train_(layout::parse_train_topology(train)),
         recv_(hf_, layout::parse_infer_topology(infer)),
-        trainer_(hf_, train_, lively()),
+        trainer_(hf_, train_, cfg),
         engine_(hf_, train_, recv_, {.publish_every = every}) {}
 
   void full() override { note(engine_.publish_full(access_)); }
@@ -70,13 +77,13 @@ class EnginePath final : public golden::Path {
     trainer_.step();
     SyncReport rep;
     if (!engine_.step(access_, rep)) return false;
-    note(rep);
+    note_delta(rep);
     return true;
   }
   bool flush() override {
     SyncReport rep;
     if (!engine_.flush(access_, rep)) return false;
-    note(rep);
+    note_delta(rep);
     return true;
   }
   std::int64_t mismatches() override {
@@ -84,18 +91,61 @@ class EnginePath final : public golden::Path {
   }
   bool confirmed() override { return std::exchange(confirmed_, true); }
 
+  // Over the scheduled publications (deltas): sender elements whose BF16 value changed (sent, not
+  // only for the guard band), and elements scanned.
+  [[nodiscard]] std::uint64_t changed() const noexcept { return changed_; }
+  [[nodiscard]] std::uint64_t scanned() const noexcept { return scanned_; }
+
  private:
   void note(const SyncReport& rep) {
     confirmed_ = confirmed_ && rep.verified && rep.repaired.empty();
+  }
+  void note_delta(const SyncReport& rep) {
+    note(rep);
+    changed_ += rep.changed - rep.guard;
+    scanned_ += rep.elements_scanned;
   }
 
   layout::HfModel hf_;
   layout::TrainTopology train_;
   layout::ServingLayout recv_;
   sim::SyntheticTrainer trainer_;
-  sim::AdamWAccess access_{&trainer_};
+  Access access_{&trainer_};
   sim::LoopbackCluster<Engine> engine_;
   bool confirmed_ = true;
+  std::uint64_t changed_ = 0, scanned_ = 0;
+};
+
+using AdamWEnginePath = EnginePath<AdamWInverse, sim::AdamWAccess>;
+
+// Per inverse: the synthetic trainer's optimizer (the forward step the inverse undoes) and the
+// accessor that reads it.
+template <class Inverse>
+struct Optimizer;
+template <>
+struct Optimizer<AdamWInverse> {
+  using Access = sim::AdamWAccess;
+  static sim::SyntheticConfig config() { return lively(); }
+};
+template <>
+struct Optimizer<AdamInverse> {
+  using Access = sim::AdamAccess;
+  static sim::SyntheticConfig config() {
+    sim::SyntheticConfig cfg = lively();
+    cfg.optimizer = sim::SyntheticOptimizer::adam;  // L2: g += 0.1 * theta on 2-D parameters
+    return cfg;
+  }
+};
+template <>
+struct Optimizer<SgdMomentumInverse> {
+  using Access = sim::SgdMomentumAccess;
+  static sim::SyntheticConfig config() {
+    sim::SyntheticConfig cfg = lively();
+    cfg.optimizer = sim::SyntheticOptimizer::sgd_momentum;
+    cfg.momentum = 0.9;
+    cfg.lr = 2e-3;  // SGD's steps are lr * buf, buf ~ 10 * (g + 0.1 * theta): BF16 moves
+    return cfg;
+  }
 };
 
 // ---- storage: a reader that keeps up, one that lags
@@ -299,7 +349,7 @@ TEST_CASE("golden: the engine over loopback ranks") {
       CAPTURE(p.train);
       CAPTURE(p.infer);
       CAPTURE(K);
-      EnginePath path(p.model, p.train, p.infer, K);
+      AdamWEnginePath path(p.model, p.train, p.infer, K);
       check_path(path, 42, K, true);  // (42: K = 4 and 8 leave steps to flush)
     }
   }
@@ -315,8 +365,30 @@ TEST_CASE("golden: the engine, other families (tied, q/k/v biases, Llama)") {
     for (const std::int64_t K : {1, 3}) {
       CAPTURE(p.model);
       CAPTURE(K);
-      EnginePath path(p.model, p.train, p.infer, K);
+      AdamWEnginePath path(p.model, p.train, p.infer, K);
       check_path(path, 24, K);
+    }
+  }
+}
+
+TEST_CASE_TEMPLATE("golden: the engine under each optimizer inverse", Inverse, AdamWInverse,
+                   AdamInverse, SgdMomentumInverse) {
+  using Opt = Optimizer<Inverse>;
+  const Pair pairs[] = {
+      {"tiny-qwen3", "tp=2,dp=2", "tp=4,replicas=2"},          // dense, DP
+      {"tiny-qwen3-moe", "tp=2,pp=2,ep=2,dp=2", "tp=4,ep=2"},  // MoE, EP on both sides
+  };
+  for (const Pair& p : pairs) {
+    for (const std::int64_t K : {1, 3}) {
+      const std::string model = p.model;
+      CAPTURE(model);
+      CAPTURE(K);
+      EnginePath<Inverse, typename Opt::Access> path(p.model, p.train, p.infer, K, Opt::config());
+      check_path(path, 20, K, true);  // (K = 3 leaves 2 steps to flush)
+      // Not vacuous: the receivers moved (a learning rate too small for BF16 would pass), at
+      // least 1% of the elements scanned per delta.
+      CAPTURE(path.scanned());
+      CHECK(path.changed() * 100 > path.scanned());
     }
   }
 }

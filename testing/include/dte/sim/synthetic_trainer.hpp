@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // SyntheticTrainer: a Megatron-style trainer without a model forward pass, for tests, examples and
-// benchmarks. It runs AdamW (torch.optim.AdamW order, FP32) with a warmup + cosine schedule and
+// benchmarks. It runs AdamW (torch.optim.AdamW order, FP32; the default), Adam with L2 weight
+// decay (torch.optim.Adam) or SGD with momentum (torch.optim.SGD, dampening 0, no Nesterov), each
+// the forward step its inverse in include/dte/optim assumes, with a warmup + cosine schedule and
 // global-norm clipping on a decoder model (any family dte maps) sharded as a TrainTopology says,
 // and every rank owns exactly the distributed-optimizer shards its TransferPlan describes.
 //
@@ -30,8 +32,19 @@
 #include "dte/layout/serving.hpp"
 #include "dte/layout/topology.hpp"
 #include "dte/optim/adam.hpp"
+#include "dte/optim/sgd.hpp"
 
 namespace dte::sim {
+
+// The optimizer SyntheticTrainer::step() runs (each in torch's operation order, FP32):
+//   adamw         torch.optim.AdamW: theta *= 1 - lr*wd, then the Adam update (AdamWInverse)
+//   adam          torch.optim.Adam, weight_decay as L2: g += wd*theta before the moments
+//                 (AdamInverse)
+//   sgd_momentum  torch.optim.SGD(momentum, dampening=0, nesterov=False): g += wd*theta;
+//                 buf = g on the first step, buf*momentum + g after; theta += -lr*buf
+//                 (SgdMomentumInverse)
+// Weight decay applies to 2-D parameters only, whichever the optimizer.
+enum class SyntheticOptimizer : std::uint8_t { adamw, adam, sgd_momentum };
 
 struct SyntheticConfig {
   std::uint64_t seed = 0;
@@ -44,6 +57,8 @@ struct SyntheticConfig {
   double beta1 = 0.9;
   double beta2 = 0.999;
   double eps = 1e-8;
+  SyntheticOptimizer optimizer = SyntheticOptimizer::adamw;
+  double momentum = 0.9;  // sgd_momentum only
 };
 
 namespace detail {
@@ -133,8 +148,12 @@ class SyntheticTrainer {
         const auto n = static_cast<std::size_t>(plans_.back().shard_size(b));
         Shard& s = shards_[static_cast<std::size_t>(g)][static_cast<int>(b)];
         s.theta.assign(n, 0.0f);
-        s.exp_avg.assign(n, 0.0f);
-        s.exp_avg_sq.assign(n, 0.0f);
+        if (sgd()) {
+          s.momentum_buffer.assign(n, 0.0f);
+        } else {
+          s.exp_avg.assign(n, 0.0f);
+          s.exp_avg_sq.assign(n, 0.0f);
+        }
         const auto& segs = plans_.back().segments(b);
         for (std::size_t i = 0; i < segs.size(); ++i) {
           for (std::int64_t lo = 0; lo < segs[i].length; lo += chunk_elements) {
@@ -174,6 +193,8 @@ class SyntheticTrainer {
   [[nodiscard]] std::span<const float> theta(std::int64_t rank, layout::BufferKind b) const {
     return shard(rank, b).theta;
   }
+  // The Adam moments (empty under sgd_momentum) and SGD's momentum buffer (empty under adamw and
+  // adam; zero before the first step, which sets it to the gradient).
   [[nodiscard]] std::span<float> exp_avg(std::int64_t rank, layout::BufferKind b) {
     return shard(rank, b).exp_avg;
   }
@@ -185,6 +206,13 @@ class SyntheticTrainer {
   }
   [[nodiscard]] std::span<const float> exp_avg_sq(std::int64_t rank, layout::BufferKind b) const {
     return shard(rank, b).exp_avg_sq;
+  }
+  [[nodiscard]] std::span<float> momentum_buffer(std::int64_t rank, layout::BufferKind b) {
+    return shard(rank, b).momentum_buffer;
+  }
+  [[nodiscard]] std::span<const float> momentum_buffer(std::int64_t rank,
+                                                       layout::BufferKind b) const {
+    return shard(rank, b).momentum_buffer;
   }
 
   // Forces the learning rate of the following steps (nullopt: back to the schedule).
@@ -215,19 +243,16 @@ class SyntheticTrainer {
   [[nodiscard]] double last_clip_coeff() const noexcept { return last_clip_coeff_; }
 
   // The hyperparameters the last step used for the parameter of `seg` (a segment of
-  // plan(rank).segments(b)), ready for AdamWInverse::bind on that segment's sub-spans.
+  // plan(rank).segments(b)), ready for AdamWInverse::bind (adamw) or AdamInverse::bind (adam) on
+  // that segment's sub-spans. Throws dte::invalid_argument under sgd_momentum (see sgd_hyper).
   [[nodiscard]] AdamHyperparameters hyper(std::int64_t rank, layout::BufferKind b,
                                           const layout::PlanSegment& seg) const {
-    const layout::TransferPlan& p = plan(rank);
-    const bool expert = b == layout::BufferKind::expert;
-    if (seg.param < 0 || static_cast<std::size_t>(seg.param) >= p.params().size() ||
-        p.params()[static_cast<std::size_t>(seg.param)].is_expert() != expert) {
-      throw invalid_argument("SyntheticTrainer::hyper: the segment (param " +
-                             std::to_string(seg.param) + ") is not one of rank " +
-                             std::to_string(rank) + "'s " + (expert ? "expert" : "dense") +
-                             " buffer; pass a segment of plan(rank).segments(b)");
+    if (sgd()) {
+      throw invalid_argument(
+          "SyntheticTrainer::hyper: the trainer runs SGD with momentum, which has no Adam "
+          "hyperparameters; use sgd_hyper");
     }
-    const layout::MegatronParam& param = p.params()[static_cast<std::size_t>(seg.param)];
+    const layout::MegatronParam& param = segment_param("hyper", rank, b, seg);
     AdamHyperparameters h;
     h.lr = last_lr_;
     h.weight_decay = decayed(param) ? cfg_.weight_decay : 0.0;
@@ -235,11 +260,29 @@ class SyntheticTrainer {
     h.beta2 = cfg_.beta2;
     h.eps = cfg_.eps;
     h.step = step_;
-    h.decay_form = DecayForm::multiply;  // step() multiplies by 1 - lr*wd, as torch on the CPU
+    if (cfg_.optimizer == SyntheticOptimizer::adamw) {
+      h.decay_form = DecayForm::multiply;  // step() multiplies by 1 - lr*wd, as torch on the CPU
+    }
     return h;
   }
 
-  // One optimizer step on every rank: gradients, global-norm clipping, AdamW.
+  // The same for SgdMomentumInverse::bind. Throws dte::invalid_argument unless sgd_momentum.
+  [[nodiscard]] SgdHyperparameters sgd_hyper(std::int64_t rank, layout::BufferKind b,
+                                             const layout::PlanSegment& seg) const {
+    if (!sgd()) {
+      throw invalid_argument(
+          "SyntheticTrainer::sgd_hyper: the trainer runs Adam, not SGD with momentum; use hyper");
+    }
+    const layout::MegatronParam& param = segment_param("sgd_hyper", rank, b, seg);
+    SgdHyperparameters h;
+    h.lr = last_lr_;
+    h.momentum = cfg_.momentum;
+    h.dampening = 0.0;
+    h.weight_decay = decayed(param) ? cfg_.weight_decay : 0.0;
+    return h;
+  }
+
+  // One optimizer step on every rank: gradients, global-norm clipping, the optimizer's update.
   void step() {
     const std::int64_t t = step_ + 1;
     const double lr = lr_override_ ? *lr_override_ : scheduled_lr(t);
@@ -274,39 +317,18 @@ class SyntheticTrainer {
     const bool clipping = coeff < 1.0;
     const float coeff_f = static_cast<float>(coeff);
 
-    // Pass 2: AdamW, torch.optim.AdamW's order and FP32 arithmetic.
-    const double bc1 = 1.0 - std::pow(cfg_.beta1, static_cast<double>(t));
-    const double bc2 = 1.0 - std::pow(cfg_.beta2, static_cast<double>(t));
-    const float step_size = static_cast<float>(lr / bc1);
-    const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
-    const float b2 = static_cast<float>(cfg_.beta2);
-    const float one_minus_b1 = static_cast<float>(1.0 - cfg_.beta1);
-    const float one_minus_b2 = static_cast<float>(1.0 - cfg_.beta2);
-    const float eps = static_cast<float>(cfg_.eps);
-    const float decay_matrix = static_cast<float>(1.0 - lr * cfg_.weight_decay);
-    DTE_OMP(parallel for schedule(dynamic, 1))
-    for (std::int64_t c = 0; c < nchunks; ++c) {
-      const Chunk& ch = chunks_[static_cast<std::size_t>(c)];
-      const layout::TransferPlan& p = plans_[static_cast<std::size_t>(ch.rank)];
-      const layout::PlanSegment& seg = p.segments(ch.buffer)[static_cast<std::size_t>(ch.segment)];
-      const layout::MegatronParam& param = p.params()[static_cast<std::size_t>(seg.param)];
-      const float decay = decayed(param) ? decay_matrix : 1.0f;
-      Shard& s = shards_[static_cast<std::size_t>(ch.rank)][static_cast<int>(ch.buffer)];
-      for (std::int64_t o = ch.begin; o < ch.end; ++o) {
-        const layout::Canonical e = p.mapping()(param, seg.param_begin + (o - seg.shard_begin));
-        if (e.tensor < 0) continue;  // vocabulary padding: zero weight, zero gradient
-        float g = gradient(e, t, factor);
-        if (clipping) g = g * coeff_f;
-        const auto i = static_cast<std::size_t>(o);
-        float pi = s.theta[i] * decay;
-        const float mi = s.exp_avg[i] + one_minus_b1 * (g - s.exp_avg[i]);  // lerp
-        const float vi = s.exp_avg_sq[i] * b2 + one_minus_b2 * (g * g);
-        const float denom = std::sqrt(vi) / bc2_sqrt + eps;
-        pi = pi - step_size * (mi / denom);
-        s.theta[i] = pi;
-        s.exp_avg[i] = mi;
-        s.exp_avg_sq[i] = vi;
-      }
+    // Pass 2: the update, in torch's order and FP32 arithmetic.
+    const Pass2 pass{t, factor, clipping, coeff_f};
+    switch (cfg_.optimizer) {
+      case SyntheticOptimizer::adamw:
+        adam_update<true>(pass, lr);
+        break;
+      case SyntheticOptimizer::adam:
+        adam_update<false>(pass, lr);
+        break;
+      case SyntheticOptimizer::sgd_momentum:
+        sgd_update(pass, lr);
+        break;
     }
     step_ = t;
     last_lr_ = lr;
@@ -378,7 +400,8 @@ class SyntheticTrainer {
   static constexpr std::int64_t chunk_elements = std::int64_t{1} << 14;
 
   struct Shard {
-    std::vector<float> theta, exp_avg, exp_avg_sq;
+    std::vector<float> theta, exp_avg, exp_avg_sq;  // the moments: adamw and adam only
+    std::vector<float> momentum_buffer;             // sgd_momentum only
   };
   // A piece of one segment: the unit of parallel work.
   struct Chunk {
@@ -387,6 +410,109 @@ class SyntheticTrainer {
     layout::BufferKind buffer;
     std::int64_t begin, end;  // shard offsets
   };
+
+  // What pass 2 of step() shares between the optimizers: the step, the gradient's factor, the
+  // clip coefficient.
+  struct Pass2 {
+    std::int64_t t;
+    double factor;
+    bool clipping;
+    float coeff;
+  };
+
+  // Calls update(shard, i, g, decayed) for every live element of every rank's shards, g the
+  // clipped gradient of step pass.t (vocabulary padding stays zero: zero weight, zero gradient).
+  template <class Update>
+  void for_each_element(const Pass2& pass, Update&& update) {
+    const auto nchunks = static_cast<std::int64_t>(chunks_.size());
+    DTE_OMP(parallel for schedule(dynamic, 1))
+    for (std::int64_t c = 0; c < nchunks; ++c) {
+      const Chunk& ch = chunks_[static_cast<std::size_t>(c)];
+      const layout::TransferPlan& p = plans_[static_cast<std::size_t>(ch.rank)];
+      const layout::PlanSegment& seg = p.segments(ch.buffer)[static_cast<std::size_t>(ch.segment)];
+      const layout::MegatronParam& param = p.params()[static_cast<std::size_t>(seg.param)];
+      const bool decay = decayed(param);
+      Shard& s = shards_[static_cast<std::size_t>(ch.rank)][static_cast<int>(ch.buffer)];
+      for (std::int64_t o = ch.begin; o < ch.end; ++o) {
+        const layout::Canonical e = p.mapping()(param, seg.param_begin + (o - seg.shard_begin));
+        if (e.tensor < 0) continue;
+        float g = gradient(e, pass.t, pass.factor);
+        if (pass.clipping) g = g * pass.coeff;
+        update(s, static_cast<std::size_t>(o), g, decay);
+      }
+    }
+  }
+
+  // torch.optim.AdamW (Decoupled) or torch.optim.Adam with weight_decay (L2: grad.add(param,
+  // alpha=wd) before the moments), single-tensor order: lerp, mul/addcmul, sqrt / bc2_sqrt + eps,
+  // addcdiv(-step_size).
+  template <bool Decoupled>
+  void adam_update(const Pass2& pass, double lr) {
+    const double bc1 = 1.0 - std::pow(cfg_.beta1, static_cast<double>(pass.t));
+    const double bc2 = 1.0 - std::pow(cfg_.beta2, static_cast<double>(pass.t));
+    const float step_size = static_cast<float>(lr / bc1);
+    const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+    const float b2 = static_cast<float>(cfg_.beta2);
+    const float one_minus_b1 = static_cast<float>(1.0 - cfg_.beta1);
+    const float one_minus_b2 = static_cast<float>(1.0 - cfg_.beta2);
+    const float eps = static_cast<float>(cfg_.eps);
+    const float decay_matrix = static_cast<float>(1.0 - lr * cfg_.weight_decay);
+    const float wd = static_cast<float>(cfg_.weight_decay);
+    const bool l2 = cfg_.weight_decay != 0.0;  // torch skips the add when weight_decay is 0
+    for_each_element(pass, [&](Shard& s, std::size_t i, float g, bool decayed_param) {
+      float pi = s.theta[i];
+      if constexpr (Decoupled) {
+        if (decayed_param) pi = pi * decay_matrix;
+      } else {
+        if (decayed_param && l2) g = g + wd * pi;
+      }
+      const float mi = s.exp_avg[i] + one_minus_b1 * (g - s.exp_avg[i]);  // lerp
+      const float vi = s.exp_avg_sq[i] * b2 + one_minus_b2 * (g * g);
+      const float denom = std::sqrt(vi) / bc2_sqrt + eps;
+      pi = pi - step_size * (mi / denom);
+      s.theta[i] = pi;
+      s.exp_avg[i] = mi;
+      s.exp_avg_sq[i] = vi;
+    });
+  }
+
+  // torch.optim.SGD(momentum, dampening=0, nesterov=False, maximize=False), single-tensor order:
+  // grad.add(param, alpha=wd); buf = clone(grad) on the first step, buf.mul_(momentum)
+  // .add_(grad) after; param.add_(buf, alpha=-lr).
+  void sgd_update(const Pass2& pass, double lr) {
+    const bool first = pass.t == 1;
+    const float momentum = static_cast<float>(cfg_.momentum);
+    const float wd = static_cast<float>(cfg_.weight_decay);
+    const bool l2 = cfg_.weight_decay != 0.0;
+    const float neg_lr = static_cast<float>(-lr);
+    for_each_element(pass, [&](Shard& s, std::size_t i, float g, bool decayed_param) {
+      const float pi = s.theta[i];
+      if (decayed_param && l2) g = g + wd * pi;
+      const float buf = first ? g : s.momentum_buffer[i] * momentum + g;
+      s.momentum_buffer[i] = buf;
+      s.theta[i] = pi + neg_lr * buf;
+    });
+  }
+
+  [[nodiscard]] bool sgd() const noexcept {
+    return cfg_.optimizer == SyntheticOptimizer::sgd_momentum;
+  }
+
+  // The parameter of `seg`, checked to be one of plan(rank).segments(b).
+  [[nodiscard]] const layout::MegatronParam& segment_param(const char* who, std::int64_t rank,
+                                                           layout::BufferKind b,
+                                                           const layout::PlanSegment& seg) const {
+    const layout::TransferPlan& p = plan(rank);
+    const bool expert = b == layout::BufferKind::expert;
+    if (seg.param < 0 || static_cast<std::size_t>(seg.param) >= p.params().size() ||
+        p.params()[static_cast<std::size_t>(seg.param)].is_expert() != expert) {
+      throw invalid_argument(std::string("SyntheticTrainer::") + who + ": the segment (param " +
+                             std::to_string(seg.param) + ") is not one of rank " +
+                             std::to_string(rank) + "'s " + (expert ? "expert" : "dense") +
+                             " buffer; pass a segment of plan(rank).segments(b)");
+    }
+    return p.params()[static_cast<std::size_t>(seg.param)];
+  }
 
   // Megatron decays 2-D parameters only (no decay on norms: wd_mult 0).
   static bool decayed(const layout::MegatronParam& p) noexcept { return p.cols != 0; }
@@ -403,8 +529,17 @@ class SyntheticTrainer {
       fail("need 0 <= warmup_steps < total_steps (got " + std::to_string(cfg_.warmup_steps) + ", " +
            std::to_string(cfg_.total_steps) + ")");
     }
-    if (!(cfg_.weight_decay >= 0.0) || cfg_.lr * cfg_.weight_decay >= 1.0) {
-      fail("need weight_decay >= 0 and lr * weight_decay < 1");
+    if (!(cfg_.weight_decay >= 0.0) ||
+        (cfg_.optimizer == SyntheticOptimizer::adamw && cfg_.lr * cfg_.weight_decay >= 1.0)) {
+      fail("need weight_decay >= 0 and (AdamW) lr * weight_decay < 1");
+    }
+    if (cfg_.optimizer != SyntheticOptimizer::adamw && cfg_.optimizer != SyntheticOptimizer::adam &&
+        cfg_.optimizer != SyntheticOptimizer::sgd_momentum) {
+      fail("unknown optimizer");
+    }
+    if (sgd() && !(cfg_.momentum > 0.0 && cfg_.momentum <= 1.0)) {
+      fail("need momentum in (0, 1] for SGD with momentum (got " + std::to_string(cfg_.momentum) +
+           ")");
     }
     if (!(cfg_.beta1 >= 0.0 && cfg_.beta1 < 1.0) || !(cfg_.beta2 >= 0.0 && cfg_.beta2 < 1.0) ||
         !(cfg_.eps > 0.0)) {
