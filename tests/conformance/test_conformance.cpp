@@ -3,12 +3,13 @@
 //   optimizer_inverse: AdamWInverse, AdamInverse, SgdMomentumInverse, SnapshotBase(Fp16)
 //   change_detector:   BF16Detect, FP16Detect
 //   layout_mapping:    MegatronToHF, Identity (with the plans they bring)
-//   transport:         LoopbackTwoRound (MpiTwoRound: tests/mpi, under mpirun)
-//   executor:          HostExecutor with one and with several threads
+//   transport:         LoopbackTwoRound, by tests/transport/transport_suite.hpp (which also runs
+//                      over MpiTwoRound in tests/mpi and NcclTwoRound in tests/cuda)
+//   executor:          HostExecutor with one and with several threads, by executor_suite.hpp
+//                      (which also runs over exec::Cuda in tests/cuda/test_cuda_backend.cu)
 // What a policy must do for the engine to be correct with it, checked the same way for each.
 #include <doctest/doctest.h>
 
-#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -16,8 +17,10 @@
 #include <string>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
+#include "../transport/transport_suite.hpp"
 #include "dte/audit.hpp"
 #include "dte/concepts.hpp"
 #include "dte/detect/detect.hpp"
@@ -30,6 +33,7 @@
 #include "dte/optim/snapshot.hpp"
 #include "dte/pipeline/runs.hpp"
 #include "dte/transport/loopback.hpp"
+#include "executor_suite.hpp"
 
 namespace {
 
@@ -246,105 +250,104 @@ TEST_CASE(
 }
 
 TEST_CASE("transport conformance: LoopbackTwoRound") {
+  namespace suite = dte::transport_suite;
   static_assert(dte::transport<dte::LoopbackTwoRound>);
-  constexpr int senders = 3, receivers = 2;
-  dte::LoopbackWorld world(senders, receivers, std::chrono::milliseconds(2000));
-  std::vector<std::vector<dte::Bytes>> storage(senders);
-  std::vector<dte::Inbox> got(receivers);
-  std::vector<std::vector<std::uint64_t>> sums(senders + receivers);
-  {
-    std::vector<std::jthread> ranks;
-    for (int r = 0; r < senders + receivers; ++r) {
-      ranks.emplace_back([&, r] {
-        dte::LoopbackTwoRound& t = world.endpoint(r);
-        CHECK(t.rank() == r);
-        CHECK(t.senders() == senders);
-        CHECK(t.receivers() == receivers);
-        CHECK(t.is_sender() == (r < senders));
-        CHECK(t.is_receiver() == (r >= senders));
-        std::vector<dte::Payload> out;
-        if (t.is_sender()) {
-          for (int d = 0; d < receivers; ++d) {
-            // Sender 1 sends nothing to receiver 0: a zero count, no message.
-            const std::size_t n =
-                (r == 1 && d == 0) ? 0 : static_cast<std::size_t>(10 * (r + 1) + d);
-            dte::Bytes b(n);
-            for (std::size_t i = 0; i < n; ++i)
-              b[i] = static_cast<std::byte>(r * 16 + d + i);
-            storage[static_cast<std::size_t>(r)].push_back(std::move(b));
-          }
-          for (const dte::Bytes& b : storage[static_cast<std::size_t>(r)]) {
-            const std::size_t half = b.size() / 2;  // two spans: the transport joins them
-            out.push_back(b.empty() ? dte::Payload{}
-                                    : dte::Payload{std::span<const std::byte>(b.data(), half),
-                                                   std::span<const std::byte>(b.data() + half,
-                                                                              b.size() - half)});
-          }
-        }
-        dte::Inbox in = t.exchange(out);
-        if (t.is_receiver()) got[static_cast<std::size_t>(r - senders)] = std::move(in);
-        std::vector<std::uint64_t> v{static_cast<std::uint64_t>(r), 1};
-        t.sum(v, "a test sum");
-        sums[static_cast<std::size_t>(r)] = v;
-        t.checkpoint("a test checkpoint");
-      });
+  for (const auto& [senders, receivers] : {std::pair{3, 2}, std::pair{1, 1}, std::pair{2, 4}}) {
+    CAPTURE(senders);
+    CAPTURE(receivers);
+    dte::LoopbackWorld world(senders, receivers, std::chrono::milliseconds(2000));
+    std::vector<suite::Results> results(static_cast<std::size_t>(senders + receivers));
+    {
+      std::vector<std::jthread> ranks;
+      for (int r = 0; r < senders + receivers; ++r) {
+        ranks.emplace_back([&, r] {
+          results[static_cast<std::size_t>(r)] =
+              suite::run_rank(world.endpoint(r), r, senders, receivers);
+        });
+      }
     }
-  }
-  for (int d = 0; d < receivers; ++d) {
-    const dte::Inbox& in = got[static_cast<std::size_t>(d)];
-    CHECK(in.size() == (d == 0 ? 2u : 3u));
-    for (const auto& [s, bytes] : in) {
-      CHECK(bytes == storage[static_cast<std::size_t>(s)][static_cast<std::size_t>(d)]);
+    for (const suite::Results& r : results) {
+      for (const std::string& f : r.failures)
+        FAIL_CHECK(f);
+      CHECK(r.exchanges == suite::kRounds);
     }
-  }
-  for (const auto& v : sums)
-    CHECK(v == std::vector<std::uint64_t>{0 + 1 + 2 + 3 + 4, 5});
-  CHECK(world.last_stats().messages == 5);
-
-  SUBCASE("a rank that never arrives is named within the deadline, and the world is broken") {
-    dte::LoopbackWorld small(1, 1, std::chrono::milliseconds(200));
-    const auto t0 = std::chrono::steady_clock::now();
-    std::string what;
-    try {
-      small.endpoint(0).checkpoint("the test phase");  // rank 1 never comes
-    } catch (const dte::deadline_error& e) {
-      what = e.what();
-    }
-    CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(5));
-    CHECK(what.find("rank 0 waited 200 ms in the test phase for rank(s) 1") != std::string::npos);
-    CHECK_THROWS_AS(small.endpoint(1).checkpoint("later"), dte::deadline_error);
+    // The world's own account of the last exchange.
+    const dte::ExchangeStats stats = world.last_stats();
+    CHECK(stats.messages == suite::messages(senders, receivers, suite::kRounds - 1));
+    CHECK(stats.bytes == suite::bytes(senders, receivers, suite::kRounds - 1));
   }
 }
 
-TEST_CASE_TEMPLATE("executor conformance", E, dte::HostExecutor) {
-  static_assert(dte::executor<E>);
-  for (const int threads : {1, 2, 4}) {
-    const E exec(threads);
-    CHECK(exec.threads() == threads);
-    constexpr std::size_t n = 1000;
-    std::vector<std::atomic<int>> seen(n);
-    exec.for_each(n, [&](std::size_t i, int worker) {
-      CHECK(worker >= 0);
-      CHECK(worker < threads);
-      ++seen[i];
-    });
-    for (const auto& s : seen)
-      CHECK(s == 1);
-    std::vector<std::size_t> order;
-    std::vector<int> done(n, 0);
-    exec.for_each_ordered(
-        n, [&](std::size_t i, int) { done[i] = 1; },
-        [&](std::size_t i, int) {
-          CHECK(done[i] == 1);  // par(i) ran before ser(i)
-          order.push_back(i);
+TEST_CASE("the transport suite fails a transport that loses a message or flips a bit") {
+  namespace suite = dte::transport_suite;
+  constexpr int senders = 3, receivers = 2;
+  // The first exchange (round 0): sender 0 sends receiver 1 17 bytes, sender 1 receiver 0 too.
+  REQUIRE(suite::message_size(0, 1, 0, {}) == 17);
+  REQUIRE(suite::message_size(1, 0, 0, {}) == 17);
+  for (const dte::TransportFault& fault :
+       {dte::TransportFault{.kind = dte::TransportFault::Kind::drop, .src = 0, .dst = 1},
+        dte::TransportFault{
+            .kind = dte::TransportFault::Kind::bitflip, .src = 1, .dst = 0, .byte = 9, .bit = 3}}) {
+    dte::LoopbackWorld world(senders, receivers, std::chrono::milliseconds(2000));
+    world.inject(fault);
+    std::vector<suite::Results> results(static_cast<std::size_t>(senders + receivers));
+    {
+      std::vector<std::jthread> ranks;
+      for (int r = 0; r < senders + receivers; ++r) {
+        ranks.emplace_back([&, r] {
+          results[static_cast<std::size_t>(r)] =
+              suite::run_rank(world.endpoint(r), r, senders, receivers);
         });
-    std::vector<std::size_t> want(n);
-    for (std::size_t i = 0; i < n; ++i)
-      want[i] = i;
-    CHECK(order == want);
-    const std::vector<std::uint64_t> in{3, 0, 5, 1};
-    std::vector<std::uint64_t> out(4);
-    CHECK(exec.exclusive_scan(in, out) == 9);
-    CHECK(out == std::vector<std::uint64_t>{0, 3, 3, 8});
+      }
+    }
+    const std::string victim = "rank " + std::to_string(senders + fault.dst) + ": exchange 0: ";
+    const std::string what = fault.kind == dte::TransportFault::Kind::drop
+                                 ? victim + "nothing from sender 0 (17 bytes sent)"
+                                 : victim + "byte 9 of 17 from sender 1 differs";
+    CAPTURE(what);
+    bool named = false;
+    std::size_t failures = 0;
+    for (const suite::Results& r : results) {
+      CHECK(r.exchanges == suite::kRounds);  // the ranks went on in step
+      for (const std::string& f : r.failures) {
+        CAPTURE(f);
+        named = named || f.find(what) == 0;
+        // Only the exchange the fault hit fails.
+        CHECK(f.find("rank " + std::to_string(r.rank) + ": exchange 0: ") == 0);
+        ++failures;
+      }
+    }
+    CHECK(named);
+    if (fault.kind == dte::TransportFault::Kind::drop) {
+      // A lost message also shows in the world's count of bytes and messages, on every rank.
+      for (const suite::Results& r : results)
+        CHECK_FALSE(r.ok());
+    } else {
+      CHECK(failures == 1);  // a flipped bit: same sizes, only the receiver can tell
+    }
+  }
+}
+
+TEST_CASE("LoopbackTwoRound: a rank that never arrives is named within the deadline") {
+  dte::LoopbackWorld small(1, 1, std::chrono::milliseconds(200));
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string what;
+  try {
+    small.endpoint(0).checkpoint("the test phase");  // rank 1 never comes
+  } catch (const dte::deadline_error& e) {
+    what = e.what();
+  }
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(5));
+  CHECK(what.find("rank 0 waited 200 ms in the test phase for rank(s) 1") != std::string::npos);
+  // The world is broken: later waits fail at once.
+  CHECK_THROWS_AS(small.endpoint(1).checkpoint("later"), dte::deadline_error);
+}
+
+TEST_CASE_TEMPLATE("executor conformance", E, dte::HostExecutor) {
+  for (const int threads : {1, 2, 4}) {
+    CAPTURE(threads);
+    const E exec(threads);
+    CHECK(exec.threads() == threads);  // exec::Host's own: it runs as many as it is given
+    dte::executor_suite::run(exec);
   }
 }

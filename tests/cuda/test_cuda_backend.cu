@@ -4,7 +4,9 @@
 //     FP32 inputs (the host test compares with CUDA's host emulation; this one with the GPU);
 //   - dte::cuda::classify and dte::cuda::audit give the host backend's verdicts, element for
 //     element, and its audit counts, for every shipped inverse and detector;
-//   - empty shards, sizes that are not a multiple of the block, more than 2^31 elements.
+//   - empty shards, sizes that are not a multiple of the block, more than 2^31 elements;
+//   - the executor suite (tests/conformance/executor_suite.hpp) over exec::Cuda: on the default
+//     stream without a device, on a stream of its own with device work in flight on one.
 // Built with -fmad=false, as the host side is built with -ffp-contract=off: see exec/cuda.cuh.
 // Without a device only the "no_device" suite runs, then the program exits with kSkipCode, which
 // CTest reports as Skipped.
@@ -24,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "../conformance/executor_suite.hpp"
 #include "dte/dte.hpp"
 #include "dte/exec/cuda.cuh"
 
@@ -395,6 +398,14 @@ TEST_SUITE("no_device") {
     CHECK_NOTHROW(count = dte::cuda::device_count());
     CHECK(count >= 0);
   }
+
+  // The executor concept's primitives take host callables and run them on the calling thread
+  // (exec/cuda.cuh): the suite needs no device for them, and the default stream is only a handle.
+  TEST_CASE("executor conformance: exec::Cuda on the default stream") {
+    const dte::exec::Cuda exec;
+    CHECK(exec.threads() == 1);
+    dte::executor_suite::run(exec);
+  }
 }
 
 // ---- checks on the device -----------------------------------------------------------------------
@@ -574,6 +585,22 @@ TEST_SUITE("device") {
     CHECK(c.guard_extra == of_kind[1]);
     CHECK(c.missed == 2);
     CHECK(c.first_missed == static_cast<std::int64_t>(shard.miss_a));
+  }
+
+  TEST_CASE("executor conformance: exec::Cuda on a stream of its own, with work in flight") {
+    const dte::exec::Stream stream;
+    const dte::exec::Cuda exec(stream);
+    CHECK(exec.threads() == 1);
+    // Device work enqueued on the executor's stream and its memory, around the host primitives.
+    std::vector<std::uint32_t> host(1 << 20);
+    for (std::size_t i = 0; i < host.size(); ++i)
+      host[i] = static_cast<std::uint32_t>(i * 2654435761u);
+    const auto copy = dte::exec::DeviceArray<std::uint32_t>::copy_of(exec, host);
+    const auto zeros = dte::exec::DeviceArray<std::uint32_t>::zeros(exec, 1000);
+    dte::executor_suite::run(exec);
+    CHECK(copy.to_host() == host);
+    CHECK(zeros.to_host() == std::vector<std::uint32_t>(1000, 0));
+    CHECK(cudaGetLastError() == cudaSuccess);
   }
 
   TEST_CASE("bad pointers are refused before anything is launched") {

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // NcclTwoRound with one thread per rank, one device per rank (NCCL refuses two ranks of one
-// communicator on one device): the transport's conformance (counts with zeros, chunked payloads
-// of several spans, sums that wrap mod 2^64, checkpoints), the whole composition
+// communicator on one device): the transport suite (tests/transport/transport_suite.hpp: counts
+// with zeros, chunked payloads of several spans, sums that wrap mod 2^64, checkpoints), the whole
+// composition
 // DeltaEngine<AdamWInverse, BF16Detect, MegatronToHF, NcclTwoRound> verified after every
 // publication, and a peer that never arrives: every other rank gets an error naming the phase
 // within the deadline, never a hang, and the aborted transport refuses later calls.
@@ -23,6 +24,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../transport/transport_suite.hpp"
 #include "dte/detect/detect.hpp"
 #include "dte/engine/engine.hpp"
 #include "dte/optim/adam.hpp"
@@ -67,70 +69,26 @@ void on_every_rank(const World& w, const std::function<void(int)>& f) {
   if (first) std::rethrow_exception(first);
 }
 
-std::byte content(int s, int d, std::size_t i) {
-  return static_cast<std::byte>((s * 31 + d * 17 + static_cast<int>(i % 251)) & 0xFF);
-}
-std::size_t message_size(int s, int d) {
-  return s == d ? 0 : static_cast<std::size_t>(1000 + 997 * s + 3001 * d);
-}
-
 }  // namespace
 
-TEST_CASE("NcclTwoRound: counts, chunked payloads, sums and checkpoints") {
+TEST_CASE("transport conformance: NcclTwoRound (the transport suite)") {
+  namespace suite = dte::transport_suite;
   const World w = world_for_devices();
   const ncclUniqueId id = dte::NcclTwoRound::unique_id();
-  std::mutex checks;  // doctest's assertions are not thread-safe
+  std::vector<suite::Results> results(static_cast<std::size_t>(w.size()));
   on_every_rank(w, [&](int rank) {
     dte::NcclTwoRoundConfig cfg;
     cfg.deadline = std::chrono::seconds(60);
-    cfg.chunk_bytes = 1024;  // every message goes as several chunks
+    cfg.chunk_bytes = 1024;  // the larger payloads go as several chunks
     dte::NcclTwoRound t(id, rank, w.senders, w.receivers, cfg);
-    for (int round = 0; round < 3; ++round) {
-      std::vector<std::vector<std::byte>> storage;
-      std::vector<dte::Payload> out;
-      if (t.is_sender()) {
-        for (int d = 0; d < w.receivers; ++d) {
-          const std::size_t n = message_size(rank, d) + static_cast<std::size_t>(round);
-          storage.emplace_back(n);
-          for (std::size_t i = 0; i < n; ++i)
-            storage.back()[i] = content(rank, d, i + static_cast<std::size_t>(round));
-          const std::span<const std::byte> all(storage.back());
-          out.push_back({all.first(n / 3), all.subspan(n / 3)});  // two spans
-        }
-        if (round == 2) out[0].clear();  // an empty payload: counted as 0, nothing moves
-      }
-      const dte::Inbox inbox = t.exchange(out);
-      std::lock_guard lock(checks);
-      if (t.is_sender()) {
-        CHECK(inbox.empty());
-        continue;
-      }
-      const int d = rank - w.senders;
-      std::size_t k = 0;
-      for (int s = 0; s < w.senders; ++s) {
-        std::size_t n = message_size(s, d) + static_cast<std::size_t>(round);
-        if (round == 2 && d == 0) n = 0;
-        if (n == 0) continue;
-        REQUIRE(k < inbox.size());
-        CHECK(inbox[k].first == s);
-        REQUIRE(inbox[k].second.size() == n);
-        bool same = true;
-        for (std::size_t i = 0; i < n; ++i)
-          same = same && inbox[k].second[i] == content(s, d, i + static_cast<std::size_t>(round));
-        CHECK(same);
-        ++k;
-      }
-      CHECK(k == inbox.size());
-    }
-    std::vector<std::uint64_t> v = {static_cast<std::uint64_t>(rank), 1, std::uint64_t{1} << 63};
-    t.sum(v, "the test sum");
-    t.checkpoint("the test checkpoint");
-    std::lock_guard lock(checks);
-    const auto n = static_cast<std::uint64_t>(w.size());
-    CHECK(v[0] == n * (n - 1) / 2);
-    CHECK(v[1] == n);
-    CHECK(v[2] == (n % 2 == 0 ? 0 : std::uint64_t{1} << 63));
+    results[static_cast<std::size_t>(rank)] =
+        suite::run_rank(t, rank, w.senders, w.receivers, {.chunk = cfg.chunk_bytes});
   });
+  for (const suite::Results& r : results) {
+    for (const std::string& f : r.failures)
+      FAIL_CHECK(f);
+    CHECK(r.exchanges == suite::kRounds);
+  }
 }
 
 // Both placements of the same composition: the default (exec::Cuda: device-resident trainer

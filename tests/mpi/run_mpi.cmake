@@ -1,7 +1,7 @@
 # cmake -DMPIEXEC=... -DNP=4 -DEXE=... -DMODE=ok|deadline|killed [-DARGS=...] -P run_mpi.cmake
-# Runs an MPI job on loopback and checks how it ended: all ranks verified, or a deadline error
-# naming the stalled rank and the round, or a SIGKILLed rank named by mpirun; in the failure
-# modes the job must end within 30 s and leave no process behind.
+# Runs an MPI job on loopback and checks how it ended: every rank passed the transport suite, or
+# a deadline error naming the stalled rank and the round, or a SIGKILLed rank named by mpirun; in
+# the failure modes the job must end within 30 s and leave no process behind.
 set(ENV{OMPI_ALLOW_RUN_AS_ROOT} 1)
 set(ENV{OMPI_ALLOW_RUN_AS_ROOT_CONFIRM} 1)
 string(TIMESTAMP start "%s")
@@ -13,7 +13,7 @@ math(EXPR seconds "${stop} - ${start}")
 message("${out}")
 message("exit status ${rc} after ${seconds} s")
 if(MODE STREQUAL "ok")
-  string(REGEX MATCHALL "3 exchanges verified" lines "${out}")
+  string(REGEX MATCHALL "transport suite passed" lines "${out}")
   list(LENGTH lines n)
   if(NOT rc EQUAL 0 OR NOT n EQUAL NP)
     message(FATAL_ERROR "expected ${NP} verified ranks and exit 0")
