@@ -2,7 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # The one GPU script: on a machine with a CUDA device, in at most ~5 minutes,
 #   1. builds the CUDA targets (Release, this machine's architecture only, ccache if present),
-#   2. runs every `gpu` test (ctest -L gpu),
+#   2. runs every `gpu` test (ctest -L gpu; test_cuda_pipeline's host-vs-device message bytes
+#      are expected to differ until the host and device senders share one encoder: issue 27),
 #   3. runs compute-sanitizer (memcheck, racecheck) on the CUDA pipeline test (the > 2^31
 #      element case left out: under the sanitizer it would take minutes),
 #   4. runs the GPU benchmarks (bench_gpu),
@@ -40,7 +41,7 @@ if command -v nvidia-smi >/dev/null && cc=$(nvidia-smi --query-gpu=compute_cap -
 fi
 launcher=()
 command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
-targets=(test_cuda_backend test_cuda_pipeline bench_gpu)
+targets=(test_cuda_backend test_cuda_pipeline test_cuda_golden bench_gpu)
 configure_and_build() {
   cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_CUDA_ARCHITECTURES="$arch" "${launcher[@]}" || return 1
