@@ -249,6 +249,25 @@ TEST_CASE(
   check_plan(IdentityPlan(hf, TrainTopology{}, 0), hf, recv);
 }
 
+namespace {
+
+// The transport suite over a loopback world, one thread per rank; each rank's results.
+std::vector<dte::transport_suite::Results> run_suite(dte::LoopbackWorld& world, int senders,
+                                                     int receivers) {
+  std::vector<dte::transport_suite::Results> results(static_cast<std::size_t>(senders + receivers));
+  std::vector<std::jthread> ranks;
+  for (int r = 0; r < senders + receivers; ++r) {
+    ranks.emplace_back([&, r] {
+      results[static_cast<std::size_t>(r)] =
+          dte::transport_suite::run_rank(world.endpoint(r), r, senders, receivers);
+    });
+  }
+  ranks.clear();  // (joins)
+  return results;
+}
+
+}  // namespace
+
 TEST_CASE("transport conformance: LoopbackTwoRound") {
   namespace suite = dte::transport_suite;
   static_assert(dte::transport<dte::LoopbackTwoRound>);
@@ -256,16 +275,7 @@ TEST_CASE("transport conformance: LoopbackTwoRound") {
     CAPTURE(senders);
     CAPTURE(receivers);
     dte::LoopbackWorld world(senders, receivers, std::chrono::milliseconds(2000));
-    std::vector<suite::Results> results(static_cast<std::size_t>(senders + receivers));
-    {
-      std::vector<std::jthread> ranks;
-      for (int r = 0; r < senders + receivers; ++r) {
-        ranks.emplace_back([&, r] {
-          results[static_cast<std::size_t>(r)] =
-              suite::run_rank(world.endpoint(r), r, senders, receivers);
-        });
-      }
-    }
+    const std::vector<suite::Results> results = run_suite(world, senders, receivers);
     for (const suite::Results& r : results) {
       for (const std::string& f : r.failures)
         FAIL_CHECK(f);
@@ -290,16 +300,7 @@ TEST_CASE("the transport suite fails a transport that loses a message or flips a
             .kind = dte::TransportFault::Kind::bitflip, .src = 1, .dst = 0, .byte = 9, .bit = 3}}) {
     dte::LoopbackWorld world(senders, receivers, std::chrono::milliseconds(2000));
     world.inject(fault);
-    std::vector<suite::Results> results(static_cast<std::size_t>(senders + receivers));
-    {
-      std::vector<std::jthread> ranks;
-      for (int r = 0; r < senders + receivers; ++r) {
-        ranks.emplace_back([&, r] {
-          results[static_cast<std::size_t>(r)] =
-              suite::run_rank(world.endpoint(r), r, senders, receivers);
-        });
-      }
-    }
+    const std::vector<suite::Results> results = run_suite(world, senders, receivers);
     const std::string victim = "rank " + std::to_string(senders + fault.dst) + ": exchange 0: ";
     const std::string what = fault.kind == dte::TransportFault::Kind::drop
                                  ? victim + "nothing from sender 0 (17 bytes sent)"

@@ -44,17 +44,6 @@ constexpr int kSkipCode = 77;
 namespace dte {
 namespace {
 
-// As the loopback suite's trainer (tests/golden/test_golden.cpp): changes every step, warmup
-// included.
-sim::SyntheticConfig lively() {
-  sim::SyntheticConfig cfg;
-  cfg.seed = 11;
-  cfg.lr = 2e-5;
-  cfg.warmup_steps = 5;
-  cfg.total_steps = 60;
-  return cfg;
-}
-
 class CudaEnginePath final : public golden::Path {
  public:
   using Engine = DeltaEngine<AdamWInverse, BF16Detect, MegatronToHF, LoopbackTwoRound, exec::Cuda>;
@@ -63,7 +52,7 @@ class CudaEnginePath final : public golden::Path {
       : hf_(layout::model_preset(model)),
         train_(layout::parse_train_topology(train)),
         recv_(hf_, layout::parse_infer_topology(infer)),
-        trainer_(hf_, train_, lively()),
+        trainer_(hf_, train_, golden::lively()),
         world_(static_cast<int>(train_.world()), static_cast<int>(recv_.topology().ranks())) {
     const EngineConfig config{.publish_every = every};
     for (int r = 0; r < world_.size(); ++r)

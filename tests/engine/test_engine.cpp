@@ -27,6 +27,8 @@
 #include "dte/sim/cluster.hpp"
 #include "dte/sim/dense_check.hpp"
 #include "dte/sim/synthetic_trainer.hpp"
+// (the engine tests' synthetic trainer is the golden suite's: golden::lively)
+#include "../golden/golden.hpp"
 
 using namespace dte;
 using namespace dte::layout;
@@ -43,15 +45,6 @@ std::int64_t golden_mismatches(const HfModel& hf, const ServingLayout& recv,
   return sim::dense_mismatches(hf, recv, trainer.canonical_weights(), engine.receivers());
 }
 
-sim::SyntheticConfig lively() {
-  sim::SyntheticConfig cfg;
-  cfg.seed = 11;
-  cfg.lr = 2e-5;
-  cfg.warmup_steps = 5;
-  cfg.total_steps = 60;
-  return cfg;
-}
-
 }  // namespace
 
 TEST_CASE("a tied model: each embedding change reaches a receiver once, not twice") {
@@ -61,7 +54,7 @@ TEST_CASE("a tied model: each embedding change reaches a receiver once, not twic
   const HfModel hf(model_preset("tiny-qwen3-tied"));
   const TrainTopology train = parse_train_topology("tp=2,pp=2,dp=2");
   const ServingLayout recv(hf, parse_infer_topology("tp=2,replicas=2"));
-  sim::SyntheticTrainer trainer(hf, train, lively());
+  sim::SyntheticTrainer trainer(hf, train, golden::lively());
   const sim::AdamWAccess access{&trainer};
   Cluster engine(hf, train, recv, {.publish_every = 1});
   engine.world().keep_history(true);
@@ -143,7 +136,7 @@ TEST_CASE("a trainer whose real layout is not dte's topology is refused before a
     apply_stack(real, parse_stack(c.trainer_stack));
     apply_stack(assumed, parse_stack(c.dte_stack));
     const ServingLayout recv(hf, parse_infer_topology("tp=2"));
-    sim::SyntheticTrainer trainer(hf, real, lively());
+    sim::SyntheticTrainer trainer(hf, real, golden::lively());
     const sim::AdamWAccess access{&trainer};
     Cluster engine(hf, assumed, recv, {.publish_every = 1});
     const Version before = engine.receivers().front()->version();
@@ -167,7 +160,7 @@ struct Fixture {
   HfModel hf{model_preset("tiny-qwen3-moe")};
   TrainTopology train = parse_train_topology("tp=2,ep=2,dp=2");
   ServingLayout recv{hf, parse_infer_topology("tp=2,replicas=2")};
-  sim::SyntheticTrainer trainer{hf, train, lively()};
+  sim::SyntheticTrainer trainer{hf, train, golden::lively()};
   sim::AdamWAccess access{&trainer};
   Cluster engine{hf, train, recv, {.publish_every = 1}};
 

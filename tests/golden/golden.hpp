@@ -18,7 +18,19 @@
 #include <string>
 #include <vector>
 
+#include "dte/sim/synthetic_trainer.hpp"
+
 namespace dte::golden {
+
+// The engine paths' synthetic trainer (loopback, MPI, CUDA): changes every step, warmup included.
+inline sim::SyntheticConfig lively() {
+  sim::SyntheticConfig cfg;
+  cfg.seed = 11;
+  cfg.lr = 2e-5;
+  cfg.warmup_steps = 5;
+  cfg.total_steps = 60;
+  return cfg;
+}
 
 // A delivery path under test: a trainer, its publisher, the transport or storage, receivers.
 class Path {

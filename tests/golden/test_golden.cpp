@@ -45,15 +45,6 @@ using namespace dte;
 
 namespace {
 
-sim::SyntheticConfig lively() {
-  sim::SyntheticConfig cfg;
-  cfg.seed = 11;
-  cfg.lr = 2e-5;
-  cfg.warmup_steps = 5;
-  cfg.total_steps = 60;
-  return cfg;
-}
-
 // ---- engine over loopback ranks
 // ------------------------------------------------------------------
 
@@ -65,7 +56,7 @@ class EnginePath final : public golden::Path {
   using Engine = DeltaEngine<Inverse, BF16Detect, MegatronToHF, LoopbackTwoRound>;
 
   EnginePath(const char* model, const char* train, const char* infer, std::int64_t every,
-             const sim::SyntheticConfig& cfg = lively())
+             const sim::SyntheticConfig& cfg = golden::lively())
       : hf_(layout::model_preset(model)),
         train_(layout::parse_train_topology(train)),
         recv_(hf_, layout::parse_infer_topology(infer)),
@@ -125,13 +116,13 @@ struct Optimizer;
 template <>
 struct Optimizer<AdamWInverse> {
   using Access = sim::AdamWAccess;
-  static sim::SyntheticConfig config() { return lively(); }
+  static sim::SyntheticConfig config() { return golden::lively(); }
 };
 template <>
 struct Optimizer<AdamInverse> {
   using Access = sim::AdamAccess;
   static sim::SyntheticConfig config() {
-    sim::SyntheticConfig cfg = lively();
+    sim::SyntheticConfig cfg = golden::lively();
     cfg.optimizer = sim::SyntheticOptimizer::adam;  // L2: g += 0.1 * theta on 2-D parameters
     return cfg;
   }
@@ -140,7 +131,7 @@ template <>
 struct Optimizer<SgdMomentumInverse> {
   using Access = sim::SgdMomentumAccess;
   static sim::SyntheticConfig config() {
-    sim::SyntheticConfig cfg = lively();
+    sim::SyntheticConfig cfg = golden::lively();
     cfg.optimizer = sim::SyntheticOptimizer::sgd_momentum;
     cfg.momentum = 0.9;
     cfg.lr = 2e-3;  // SGD's steps are lr * buf, buf ~ 10 * (g + 0.1 * theta): BF16 moves

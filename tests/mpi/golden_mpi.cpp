@@ -32,16 +32,6 @@ using namespace dte;
 
 namespace {
 
-// As the loopback suite's trainer (test_golden.cpp): changes every step, warmup included.
-sim::SyntheticConfig lively() {
-  sim::SyntheticConfig cfg;
-  cfg.seed = 11;
-  cfg.lr = 2e-5;
-  cfg.warmup_steps = 5;
-  cfg.total_steps = 60;
-  return cfg;
-}
-
 struct Pair {
   const char* model;
   const char* train;
@@ -58,7 +48,7 @@ class MpiPath final : public golden::Path {
         hf_(layout::model_preset(p.model)),
         train_(layout::parse_train_topology(p.train)),
         recv_(hf_, layout::parse_infer_topology(p.infer)),
-        trainer_(hf_, train_, lively()),
+        trainer_(hf_, train_, golden::lively()),
         transport_(comm, static_cast<int>(train_.world()),
                    static_cast<int>(recv_.topology().ranks())),
         engine_(hf_, train_, recv_, {.publish_every = every}, transport_, own_tensors()) {}

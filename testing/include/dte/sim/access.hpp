@@ -47,7 +47,10 @@ inline void require_optimizer(const SyntheticTrainer& t, SyntheticOptimizer o,
 
 }  // namespace detail
 
-struct AdamWAccess {
+// The accessor of the Adam family: AdamW's or Adam-with-L2's moments (the same state; the
+// optimizer decides which inverse undoes them). Built as Access{&trainer}.
+template <SyntheticOptimizer Optimizer>
+struct AdamFamilyAccess {
   const SyntheticTrainer* trainer;
 
   [[nodiscard]] std::span<const float> theta(std::int64_t rank, layout::BufferKind b) const {
@@ -55,7 +58,8 @@ struct AdamWAccess {
   }
   [[nodiscard]] AdamHyperparameters hyperparameters(std::int64_t rank, layout::BufferKind b,
                                                     const layout::PlanSegment& s) const {
-    detail::require_optimizer(*trainer, SyntheticOptimizer::adamw, "AdamWAccess");
+    detail::require_optimizer(
+        *trainer, Optimizer, Optimizer == SyntheticOptimizer::adamw ? "AdamWAccess" : "AdamAccess");
     return trainer->hyper(rank, b, s);
   }
   [[nodiscard]] std::vector<layout::ParamShape> parameters(std::int64_t rank) const {
@@ -68,26 +72,8 @@ struct AdamWAccess {
   }
 };
 
-struct AdamAccess {
-  const SyntheticTrainer* trainer;
-
-  [[nodiscard]] std::span<const float> theta(std::int64_t rank, layout::BufferKind b) const {
-    return trainer->theta(rank, b);
-  }
-  [[nodiscard]] AdamHyperparameters hyperparameters(std::int64_t rank, layout::BufferKind b,
-                                                    const layout::PlanSegment& s) const {
-    detail::require_optimizer(*trainer, SyntheticOptimizer::adam, "AdamAccess");
-    return trainer->hyper(rank, b, s);
-  }
-  [[nodiscard]] std::vector<layout::ParamShape> parameters(std::int64_t rank) const {
-    return detail::access_parameters(*trainer, rank);
-  }
-  [[nodiscard]] AdamState state(std::int64_t rank, layout::BufferKind b,
-                                const layout::PlanSegment& s) const {
-    return {detail::segment_part(trainer->exp_avg(rank, b), s),
-            detail::segment_part(trainer->exp_avg_sq(rank, b), s)};
-  }
-};
+using AdamWAccess = AdamFamilyAccess<SyntheticOptimizer::adamw>;
+using AdamAccess = AdamFamilyAccess<SyntheticOptimizer::adam>;
 
 struct SgdMomentumAccess {
   const SyntheticTrainer* trainer;
