@@ -2,8 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # The one GPU script: on a machine with a CUDA device, in at most ~5 minutes,
 #   1. builds the CUDA targets (Release, this machine's architecture only, ccache if present),
-#   2. runs every `gpu` test (ctest -L gpu; test_cuda_pipeline's host-vs-device message bytes
-#      are expected to differ until the host and device senders share one encoder: issue 27),
+#   2. runs every `gpu` test (ctest -L gpu; test_cuda_pipeline compares the host and device
+#      senders' message bytes, which the one sending policy makes equal),
 #   3. runs compute-sanitizer (memcheck, racecheck) on the CUDA pipeline test (the > 2^31
 #      element case left out: under the sanitizer it would take minutes),
 #   4. runs the GPU benchmarks (bench_gpu),

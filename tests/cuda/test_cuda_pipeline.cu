@@ -638,13 +638,9 @@ TEST_CASE("DeltaEngine on exec::Cuda (device state, device receivers) == the hos
     // repaired) and receiver, the host engine's bytes == the device engine's, all of them. The
     // v2 header (engine/wire.hpp) is magic, kind, version, base and group count, with no timing
     // and no backend tag, so no field is left out: equal bytes are what one policy means.
-    // Known at the time of writing (from a host-only replay of the device encoder over the routed
-    // entries, not from a GPU run): the encoders still differ, so this fails until they share one
-    // policy. The host (engine/routing_sink.hpp) sends a full publication as one dense group per
-    // run piece within a 2^16-element tile, a delta as indexed entries only, plus whole
-    // (receiver, tensor) pairs as dense runs where the previous publication predicts it; the
-    // device (wire::encode_bucket, engine/bucket_encode.hpp) sends every 32 or more consecutive
-    // indices as dense runs, across run and tile boundaries, and has no prediction.
+    // Both senders append each receiver's elements in shard order and MessageWriter's sending
+    // policy (engine/wire.hpp) alone encodes them; test_engine checks the host side of this
+    // against the streams written element by element, this test the device's streams.
     for (int s = 0; s < senders; ++s) {
       INFO("trainer rank " << s);
       const Recorded::Log& h = host_sent[static_cast<std::size_t>(s)];

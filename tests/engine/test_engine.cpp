@@ -3,6 +3,8 @@
 //   * The golden invariant over the engine is tests/golden (the suite over every delivery path);
 //     here: a tied model's embedding reaches each receiver once, a trainer whose real layout is
 //     not dte's topology is refused.
+//   * The host sender's messages are the sending policy (engine/wire.hpp) over each receiver's
+//     stream in shard order, the stream the CUDA sender reads from its buckets.
 //   * Faults: a dropped payload is noticed by the receiver (a sender missing) and resynced;
 //     duplicated and bit-flipped payloads are caught and repaired or resynced (the receiver's
 //     own commit rules are tested alone in test_receiver.cpp); NaN in optimizer
@@ -19,10 +21,14 @@
 
 #include "dte/detect/detect.hpp"
 #include "dte/engine/engine.hpp"
+#include "dte/engine/outbox.hpp"
+#include "dte/engine/routing_sink.hpp"
 #include "dte/engine/wire.hpp"
+#include "dte/exec/host.hpp"
 #include "dte/layout/stack.hpp"
 #include "dte/numeric/round.hpp"
 #include "dte/optim/adam.hpp"
+#include "dte/pipeline/frame.hpp"
 #include "dte/sim/access.hpp"
 #include "dte/sim/cluster.hpp"
 #include "dte/sim/dense_check.hpp"
@@ -45,7 +51,128 @@ std::int64_t golden_mismatches(const HfModel& hf, const ServingLayout& recv,
   return sim::dense_mismatches(hf, recv, trainer.canonical_weights(), engine.receivers());
 }
 
+// The routing sink, and beside it each receiver's stream as the CUDA sender's buckets hold it,
+// built from the frame's compacted elements (or a full pass's values) and the run table alone:
+// per buffer, in shard order, every element to each of its copies (device.cuh's route and
+// stable bucket by receiver).
+template <class Frame>
+struct StreamCapture {
+  struct Element {
+    std::uint32_t tensor, index;
+    std::uint16_t bits;
+  };
+  RoutingSink* inner;
+  std::vector<std::vector<Element>> streams;  // per receiver
+
+  void begin(const Frame& f, pipeline::ScanMode mode) {
+    for (auto& s : streams)
+      s.clear();
+    inner->begin(f, mode);
+  }
+  void prepare(const Frame& f, BufferKind b, std::size_t t, typename Frame::Tile& s) {
+    inner->prepare(f, b, t, s);
+  }
+  void changed(const Frame& f, BufferKind b, std::size_t t, const typename Frame::Tile& s) {
+    f.for_each_changed(b, t, s, [&](const pipeline::Run& run, std::int64_t o, std::uint16_t bits) {
+      for (const pipeline::RunTarget& x : f.runs().targets(run))
+        streams[x.rank].push_back(
+            {x.tensor, x.index + static_cast<std::uint32_t>(o - run.shard_begin), bits});
+    });
+    inner->changed(f, b, t, s);
+  }
+  void all(const Frame& f, BufferKind b, std::size_t t, const typename Frame::Tile& s) {
+    f.for_each_sent_piece(
+        b, t, s,
+        [&](const pipeline::Run& run, std::int64_t at, std::span<const std::uint16_t> bits) {
+          for (std::size_t j = 0; j < bits.size(); ++j) {
+            for (const pipeline::RunTarget& x : f.runs().targets(run))
+              streams[x.rank].push_back(
+                  {x.tensor, x.index + static_cast<std::uint32_t>(at + std::int64_t(j)), bits[j]});
+          }
+        });
+    inner->all(f, b, t, s);
+  }
+  template <class Access>
+  void end(const Frame& f, const Access& a, pipeline::ScanMode mode) {
+    inner->end(f, a, mode);
+  }
+  [[nodiscard]] std::uint64_t entries() const { return inner->entries(); }
+};
+
+std::vector<std::byte> flat(const Payload& p) {
+  std::vector<std::byte> out;
+  for (const std::span<const std::byte> s : p)
+    out.insert(out.end(), s.begin(), s.end());
+  return out;
+}
+
 }  // namespace
+
+TEST_CASE("the host sender's messages are the sending policy over each receiver's stream") {
+  // What makes the host and CUDA senders' bytes equal: both append each receiver's elements in
+  // shard order, and the writer's policy depends on nothing else. Here the host frame writes
+  // through the routing sink (deltas entry by entry, full passes as run pieces cut at tiles),
+  // and the same streams are written again element by element, as the CUDA sender reads its
+  // buckets; every message must be byte-identical. small-qwen3's shards span many tiles, so
+  // stretches cross tile boundaries; a large learning rate makes deltas with long stretches.
+  using Frame = SenderFrame<AdamWInverse, BF16Detect, TransferPlan, exec::Host>;
+  struct Case {
+    const char *model, *train, *infer;
+    double lr;
+  };
+  const Case cases[] = {{"small-qwen3", "tp=2,pp=2", "tp=4,replicas=2", 3e-3},
+                        {"tiny-qwen3", "tp=4,pp=2", "tp=1,replicas=2", 2e-5},  // short runs
+                        {"tiny-qwen3-moe", "tp=2,pp=2,ep=2,dp=2", "tp=4,ep=2", 2e-5},
+                        {"tiny-qwen3-tied", "tp=2,pp=2,dp=2", "tp=4,replicas=2", 3e-2}};
+  for (const Case& c : cases) {
+    CAPTURE(std::string(c.model));
+    const HfModel hf(model_preset(c.model));
+    const TrainTopology train = parse_train_topology(c.train);
+    const ServingLayout recv(hf, parse_infer_topology(c.infer));
+    sim::SyntheticConfig cfg = golden::lively();
+    cfg.lr = c.lr;
+    sim::SyntheticTrainer trainer(hf, train, cfg);
+    const sim::AdamWAccess access{&trainer};
+    std::uint64_t dense_elements = 0, entries = 0, messages = 0;
+    for (int step = 0; step <= 3; ++step) {
+      if (step > 0) trainer.step();
+      const auto mode = step == 0 ? pipeline::ScanMode::all : pipeline::ScanMode::detect;
+      for (std::int64_t rank = 0; rank < train.world(); ++rank) {
+        Frame f(hf, train, &recv, rank, false, exec::Host(2));
+        RoutingSink sink(f.runs(), recv);
+        StreamCapture<Frame> capture{&sink, {}};
+        capture.streams.resize(sink.outbox().size());
+        const ScanResult res = f.scan(access, mode, capture);
+        const std::vector<Payload> host = sink.outbox().finish(
+            step == 0 ? MessageKind::full : MessageKind::delta, Version(step + 1), Version(step));
+        wire::Outbox replay(sink.outbox().size());
+        replay.begin(mode == pipeline::ScanMode::all);
+        for (std::size_t d = 0; d < replay.size(); ++d) {
+          for (const auto& e : capture.streams[d])
+            replay[d].add(e.tensor, e.index, e.bits);
+        }
+        replay.flush();
+        CHECK(replay.entries() == res.entries);
+        const std::vector<Payload> device = replay.finish(
+            step == 0 ? MessageKind::full : MessageKind::delta, Version(step + 1), Version(step));
+        REQUIRE(device.size() == host.size());
+        for (std::size_t d = 0; d < host.size(); ++d) {
+          CAPTURE(step);
+          CAPTURE(rank);
+          CAPTURE(d);
+          CHECK(flat(device[d]) == flat(host[d]));
+          dense_elements += sink.outbox()[d].run_elements();
+          entries += sink.outbox()[d].entries();
+          ++messages;
+        }
+      }
+    }
+    MESSAGE(std::string(c.model) << ": " << messages << " messages, " << dense_elements
+                                 << " elements in dense groups, " << entries << " indexed entries");
+    CHECK(dense_elements > 0);
+    CHECK(entries > 0);
+  }
+}
 
 TEST_CASE("a tied model: each embedding change reaches a receiver once, not twice") {
   // Trainer pp = 2: the embedding (stage 0) sends, its copy as output layer (stage 1) only
@@ -130,7 +257,7 @@ TEST_CASE("a trainer whose real layout is not dte's topology is refused before a
         Case{"tiny-qwen3-moe", "areal", "mbridge", "tp=2,ep=2,dp=2",
              "mlp.experts.linear_fc1.weight0 as [32, 32] where dte's plan expects [16, 32]",
              "etp=1"}}) {
-    CAPTURE(c.model);
+    CAPTURE(std::string(c.model));
     const HfModel hf(model_preset(c.model));
     TrainTopology real = parse_train_topology(c.train), assumed = real;
     apply_stack(real, parse_stack(c.trainer_stack));

@@ -28,7 +28,6 @@
 #include <tuple>
 #include <vector>
 
-#include "dte/engine/bucket_encode.hpp"
 #include "dte/engine/wire.hpp"
 
 using namespace dte;
@@ -463,13 +462,14 @@ TEST_CASE("wire: the writer's group rule") {
   // continues the same tensor's indices.
   wire::MessageWriter w;
   w.begin();
-  w.add(1, 1, 0);
-  w.add(1, 2, 0);
+  w.add_entry(1, 1, 0);
+  w.add_entry(1, 2, 0);
   const std::uint16_t vals[] = {1, 2, 3};
-  w.add_run(1, 100, vals);
-  w.add(1, 3, 0);
-  w.add_run(2, 0, std::span<const std::uint16_t>{});  // empty: nothing, but closes the group
-  w.add(1, 4, 0);
+  w.add_dense_group(1, 100, vals);
+  w.add_entry(1, 3, 0);
+  w.add_dense_group(2, 0,
+                    std::span<const std::uint16_t>{});  // empty: nothing, but closes the group
+  w.add_entry(1, 4, 0);
   w.finish(MessageKind::full, 1, no_version);
   CHECK(w.entries() == 4);
   CHECK(w.run_elements() == 3);
@@ -487,11 +487,12 @@ TEST_CASE("wire: the writer's group rule") {
   // Misuse is refused.
   wire::MessageWriter bad;
   CHECK_THROWS_AS(bad.add(0, 0, 0), invalid_argument);
+  CHECK_THROWS_AS(bad.add_entry(0, 0, 0), invalid_argument);
   CHECK_THROWS_AS(bad.finish(MessageKind::delta, 1, 0), invalid_argument);
   bad.begin();
   const std::vector<std::uint16_t> two(2);
-  CHECK_THROWS_AS(bad.add_run(0, u32_max, two), invalid_argument);  // passes 2^32 - 1
-  bad.add_run(0, u32_max - 1, two);                                 // ends at 2^32 - 1
+  CHECK_THROWS_AS(bad.add_dense_group(0, u32_max, two), invalid_argument);  // passes 2^32 - 1
+  bad.add_dense_group(0, u32_max - 1, two);                                 // ends at 2^32 - 1
   CHECK_THROWS_AS(bad.finish(static_cast<MessageKind>(9), 1, 0), invalid_argument);
 }
 
@@ -529,9 +530,9 @@ TEST_CASE("wire: chunks, and headers and blocks across chunk boundaries") {
     const wire::Message sparse = with_entries(3, random_indices(rng, 0, 0.3, 20000));
     wire::MessageWriter w;
     w.begin();
-    w.add_run(0, 0, run);
+    w.add_dense_group(0, 0, run);
     for (const DeltaEntry& e : sparse.entries)
-      w.add(e.tensor, e.index, e.bits);
+      w.add_entry(e.tensor, e.index, e.bits);
     w.finish(MessageKind::delta, 2, 1);
     const Bytes b = gather(w);
     CHECK(w.size() > chunk);
@@ -565,9 +566,9 @@ TEST_CASE("wire: chunks, and headers and blocks across chunk boundaries") {
       wire::MessageWriter w;
       w.begin();
       for (const DeltaEntry& e : m.entries)
-        w.add(e.tensor, e.index, e.bits);
+        w.add_entry(e.tensor, e.index, e.bits);
       for (const DenseRun& r : m.runs)
-        w.add_run(r.tensor, r.index, r.bits);
+        w.add_dense_group(r.tensor, r.index, r.bits);
       w.finish(m.kind, m.version, m.base);
       CHECK(gather(w) == ref.bytes);
       w.clear();
@@ -766,9 +767,9 @@ TEST_CASE("wire: first_value_offset") {
   wire::Message m = doc_example();  // a dense group before the sparse one: the sparse value
   wire::MessageWriter w;
   w.begin();
-  w.add_run(5, 100, m.runs[0].bits);
+  w.add_dense_group(5, 100, m.runs[0].bits);
   for (const DeltaEntry& e : m.entries)
-    w.add(e.tensor, e.index, e.bits);
+    w.add_entry(e.tensor, e.index, e.bits);
   w.finish(m.kind, m.version, m.base);
   Bytes c;
   for (auto s : w.spans())
@@ -777,61 +778,194 @@ TEST_CASE("wire: first_value_offset") {
   CHECK_THROWS_AS(wire::first_value_offset(Bytes(b.begin(), b.end() - 1)), format_error);
 }
 
-TEST_CASE("wire: encode_bucket (the CUDA sender's encode) round trips a bucket exactly") {
-  // A bucket as the device route/bucket stages leave it: shard order, some long consecutive
-  // stretches (a full publication, a dense layer), many isolated entries, tensor switches.
-  std::mt19937_64 rng(42);
-  std::vector<std::uint32_t> tensor, index;
-  std::vector<std::uint16_t> bits;
-  std::size_t expect_sparse = 0;
-  for (std::uint32_t t = 0; t < 6; ++t) {
-    std::uint32_t at = static_cast<std::uint32_t>(rng() % 1000);
-    for (int piece = 0; piece < 40; ++piece) {
-      const bool stretch = rng() % 4 == 0;
-      const std::size_t n =
-          stretch ? 32 + rng() % (piece == 7 ? 140000 : 3000) : 1 + rng() % 31;  // < 32: sparse
-      for (std::size_t k = 0; k < n; ++k) {
-        tensor.push_back(t);
-        index.push_back(at + static_cast<std::uint32_t>(k));
-        bits.push_back(static_cast<std::uint16_t>(rng()));
-      }
-      if (!stretch) expect_sparse += n;
-      at += static_cast<std::uint32_t>(n) + 1 + static_cast<std::uint32_t>(rng() % 50);  // a gap
-    }
-  }
-  // Encode the bucket as the middle of a larger array, as the sender does per receiver.
-  const std::size_t lead = 5;
-  std::vector<std::uint32_t> T(lead, 99), I(lead, 0);
-  std::vector<std::uint16_t> B(lead, 0);
-  T.insert(T.end(), tensor.begin(), tensor.end());
-  I.insert(I.end(), index.begin(), index.end());
-  B.insert(B.end(), bits.begin(), bits.end());
-  wire::MessageWriter w;
-  w.begin();
-  const std::uint64_t sparse = wire::encode_bucket(w, T, I, B, lead, tensor.size(), 32);
-  CHECK(sparse == expect_sparse);
-  w.finish(MessageKind::delta, 2, 1);
+namespace {
+
+// One element of a receiver's stream.
+struct Element {
+  std::uint32_t tensor, index;
+  std::uint16_t bits;
+};
+
+Bytes gather_message(const wire::MessageWriter& w) {
   Bytes flat;
   for (const std::span<const std::byte> s : w.spans())
     flat.insert(flat.end(), s.begin(), s.end());
-  const wire::MessageView view(flat, "test");
-  CHECK(view.entry_count() == expect_sparse);
-  CHECK(view.run_elements() == tensor.size() - expect_sparse);
-  std::vector<std::tuple<std::uint32_t, std::uint32_t, std::uint16_t>> got, want;
-  view.for_each_entry([&](const DeltaEntry& e) { got.emplace_back(e.tensor, e.index, e.bits); });
-  view.for_each_run(
-      [&](std::uint32_t t, std::uint32_t first, std::uint32_t len, const std::byte* p) {
-        CHECK(len >= 1);
-        CHECK(len <= (1u << 16));
-        for (std::uint32_t k = 0; k < len; ++k) {
-          std::uint16_t b;
-          std::memcpy(&b, p + 2 * static_cast<std::size_t>(k), 2);
-          got.emplace_back(t, first + k, b);
-        }
-      });
-  for (std::size_t k = 0; k < tensor.size(); ++k)
-    want.emplace_back(tensor[k], index[k], bits[k]);
-  std::sort(got.begin(), got.end());
-  std::sort(want.begin(), want.end());
-  CHECK(got == want);
+  return flat;
+}
+
+// The sending policy written from its statement (wire.hpp), outside the writer's streaming code:
+// every maximal stretch of consecutive indices of one tensor at least dense_min_run long as dense
+// groups of at most dense_run_piece values from the stretch's start, the rest as entries.
+Bytes policy_reference(const std::vector<Element>& s, std::size_t min_run) {
+  wire::MessageWriter w;
+  w.begin(min_run);
+  for (std::size_t k = 0; k < s.size();) {
+    std::size_t j = k + 1;
+    while (j < s.size() && s[j].tensor == s[k].tensor && s[j - 1].index != u32_max &&
+           s[j].index == s[j - 1].index + 1)
+      ++j;
+    if (j - k >= min_run) {
+      for (std::size_t at = k; at < j; at += wire::dense_run_piece) {
+        std::vector<std::uint16_t> bits;
+        for (std::size_t x = at; x < std::min(j, at + wire::dense_run_piece); ++x)
+          bits.push_back(s[x].bits);
+        w.add_dense_group(s[at].tensor, s[at].index, bits);
+      }
+    } else {
+      for (std::size_t x = k; x < j; ++x)
+        w.add_entry(s[x].tensor, s[x].index, s[x].bits);
+    }
+    k = j;
+  }
+  w.finish(MessageKind::delta, 2, 1);
+  return gather_message(w);
+}
+
+// A stream as senders make them: isolated entries, stretches just below, at and above
+// dense_min_run and dense_run_piece, tensor switches, repeats and decreases, the last index.
+std::vector<Element> random_stream(std::mt19937_64& rng) {
+  std::vector<Element> s;
+  const std::size_t lengths[] = {1,
+                                 2,
+                                 wire::dense_min_run - 1,
+                                 wire::dense_min_run,
+                                 wire::dense_min_run + 1,
+                                 wire::dense_run_piece - 1,
+                                 wire::dense_run_piece,
+                                 wire::dense_run_piece + 1,
+                                 2 * wire::dense_run_piece + 300};
+  for (int piece = 0; piece < 60; ++piece) {
+    const auto tensor = static_cast<std::uint32_t>(rng() % 3);
+    const std::size_t n = rng() % 3 == 0 ? lengths[rng() % 9] : 1 + rng() % 40;
+    std::uint32_t at = static_cast<std::uint32_t>(rng() % 5000000);
+    if (rng() % 10 == 0)
+      at = u32_max - static_cast<std::uint32_t>(std::min<std::size_t>(n, 1000)) + 1;
+    for (std::size_t k = 0; k < n && std::uint64_t{at} + k <= u32_max; ++k) {
+      const std::uint32_t index = at + static_cast<std::uint32_t>(k);
+      s.push_back({tensor, index, static_cast<std::uint16_t>(rng())});
+    }
+    if (rng() % 4 == 0 && !s.empty()) {  // the next stretch continues this one's tensor and end
+      const Element last = s.back();
+      if (last.index != u32_max) s.push_back({last.tensor, last.index + 1, 7});
+    }
+    if (rng() % 8 == 0 && !s.empty() && s.back().index != u32_max) {
+      s.push_back({s.back().tensor, 0, 9});  // wraps: index 0 after the last index, not consecutive
+    }
+  }
+  return s;
+}
+
+// The stream into w, cut at random into add() calls and add_run() pieces of consecutive elements.
+void feed_cut(wire::MessageWriter& w, const std::vector<Element>& s, std::mt19937_64& rng) {
+  std::size_t k = 0;
+  while (k < s.size()) {
+    if (rng() % 2 == 0) {
+      w.add(s[k].tensor, s[k].index, s[k].bits);
+      ++k;
+      continue;
+    }
+    const std::size_t want = 1 + rng() % (rng() % 2 ? 300 : 70000);
+    std::size_t j = k + 1;
+    std::vector<std::uint16_t> bits{s[k].bits};
+    while (j < s.size() && j - k < want && s[j].tensor == s[k].tensor &&
+           s[j - 1].index != u32_max && s[j].index == s[j - 1].index + 1)
+      bits.push_back(s[j++].bits);
+    w.add_run(s[k].tensor, s[k].index, bits);
+    k = j;
+  }
+}
+
+}  // namespace
+
+TEST_CASE("wire: the sending policy: a message depends on the stream only, not on how it is cut") {
+  std::mt19937_64 rng(2026);
+  std::uint64_t dense_groups = 0, sparse_entries = 0;
+  for (int trial = 0; trial < 10; ++trial) {
+    CAPTURE(trial);
+    // (every other trial: a message that writes whole runs, every stretch dense)
+    const std::size_t min_run = trial % 2 == 0 ? wire::dense_min_run : 1;
+    const std::vector<Element> s = random_stream(rng);
+    const Bytes want = policy_reference(s, min_run);
+
+    wire::MessageWriter one;  // element by element, as the CUDA sender's buckets are read
+    one.begin(min_run);
+    for (const Element& e : s)
+      one.add(e.tensor, e.index, e.bits);
+    one.flush();  // ending the stream early changes nothing when nothing follows
+    one.finish(MessageKind::delta, 2, 1);
+    CHECK(gather_message(one) == want);
+
+    wire::MessageWriter cut;  // in pieces, as the host sender's tiles and runs cut it
+    cut.begin(min_run);
+    feed_cut(cut, s, rng);
+    cut.finish(MessageKind::delta, 2, 1);
+    CHECK(gather_message(cut) == want);
+    CHECK(cut.entries() == one.entries());
+    CHECK(cut.run_elements() == one.run_elements());
+    CHECK(cut.entries() + cut.run_elements() == s.size());
+
+    // The message holds the stream, in order.
+    const wire::MessageView v(want, "test");
+    v.for_each_group([&](const wire::Group& g) {
+      dense_groups += g.dense;
+      CHECK(g.count <= wire::dense_run_piece);
+      if (g.dense) CHECK(g.count >= 1);
+    });
+    sparse_entries += v.entry_count();
+    CHECK(v.entry_count() + v.run_elements() == s.size());
+    if (min_run == 1) CHECK(v.entry_count() == 0);
+  }
+  CHECK(dense_groups > 10);  // the streams exercise both encodings
+  CHECK(sparse_entries > 1000);
+
+  CHECK_THROWS_AS(wire::MessageWriter().begin(0), invalid_argument);
+  CHECK_THROWS_AS(wire::MessageWriter().begin(wire::dense_min_run + 1), invalid_argument);
+
+  // A stretch of dense_min_run - 1 is entries, one more is a dense group.
+  for (const std::size_t n : {wire::dense_min_run - 1, wire::dense_min_run}) {
+    wire::MessageWriter w;
+    w.begin();
+    for (std::size_t k = 0; k < n; ++k)
+      w.add(4, 10 + static_cast<std::uint32_t>(k), 1);
+    w.add(4, 5000, 2);
+    w.finish(MessageKind::delta, 2, 1);
+    CHECK(w.run_elements() == (n == wire::dense_min_run ? n : 0));
+    CHECK(w.entries() == (n == wire::dense_min_run ? 1 : n + 1));
+  }
+}
+
+TEST_CASE("wire: the sending policy's stream comes back in order") {
+  std::mt19937_64 rng(7);
+  const std::vector<Element> s = random_stream(rng);
+  wire::MessageWriter w;
+  w.begin();
+  feed_cut(w, s, rng);
+  w.finish(MessageKind::delta, 2, 1);
+  const Bytes b = gather_message(w);
+  const wire::MessageView v(b, "test");
+  // Groups in message order; each group's elements in index order: the stream itself.
+  std::vector<std::tuple<std::uint32_t, std::uint32_t, std::uint16_t>> got;
+  std::vector<wire::Group> groups;
+  v.for_each_group([&](const wire::Group& g) { groups.push_back(g); });
+  std::vector<std::tuple<std::uint32_t, std::uint32_t, std::uint16_t>> entries, runs;
+  v.for_each_entry([&](const DeltaEntry& e) { entries.emplace_back(e.tensor, e.index, e.bits); });
+  v.for_each_run([&](std::uint32_t t, std::uint32_t first, std::uint32_t len, const std::byte* p) {
+    for (std::uint32_t k = 0; k < len; ++k) {
+      std::uint16_t x;
+      std::memcpy(&x, p + 2 * static_cast<std::size_t>(k), 2);
+      runs.emplace_back(t, first + k, x);
+    }
+  });
+  std::size_t e = 0, r = 0;
+  for (const wire::Group& g : groups) {
+    auto& from = g.dense ? runs : entries;
+    std::size_t& at = g.dense ? r : e;
+    for (std::uint32_t k = 0; k < g.count; ++k)
+      got.push_back(from.at(at++));
+  }
+  REQUIRE(got.size() == s.size());
+  for (std::size_t k = 0; k < s.size(); ++k) {
+    CAPTURE(k);
+    CHECK(got[k] == std::make_tuple(s[k].tensor, s[k].index, s[k].bits));
+  }
 }

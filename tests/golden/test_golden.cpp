@@ -336,9 +336,9 @@ TEST_CASE("golden: the engine over loopback ranks") {
   };
   for (const Pair& p : pairs) {
     for (const std::int64_t K : {1, 2, 4, 8}) {
-      CAPTURE(p.model);
-      CAPTURE(p.train);
-      CAPTURE(p.infer);
+      CAPTURE(std::string(p.model));
+      CAPTURE(std::string(p.train));
+      CAPTURE(std::string(p.infer));
       CAPTURE(K);
       AdamWEnginePath path(p.model, p.train, p.infer, K);
       check_path(path, 42, K, true);  // (42: K = 4 and 8 leave steps to flush)
@@ -354,7 +354,7 @@ TEST_CASE("golden: the engine, other families (tied, q/k/v biases, Llama)") {
   };
   for (const Pair& p : pairs) {
     for (const std::int64_t K : {1, 3}) {
-      CAPTURE(p.model);
+      CAPTURE(std::string(p.model));
       CAPTURE(K);
       AdamWEnginePath path(p.model, p.train, p.infer, K);
       check_path(path, 24, K);

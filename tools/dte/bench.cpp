@@ -96,7 +96,7 @@ StageFigures measure(const BenchOptions& o, const HostExecutor& exec, Sender& se
     f.encode_s += best_seconds(o.repeat, [&] {
       sender.sink().begin(sender.frame(), pipeline::ScanMode::detect);
       for (std::size_t t = 0; t < out.size(); ++t)
-        (void)sender.sink().changed(sender.frame(), b, t, out[t]);
+        sender.sink().changed(sender.frame(), b, t, out[t]);
       (void)sender.finish(MessageKind::delta, 1, 0);
     });
     sender.release();

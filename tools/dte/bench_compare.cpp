@@ -65,7 +65,7 @@ struct EveryElement {
   Emit emit;
   void begin(const Converter&, pipeline::ScanMode) {}
   void prepare(const Converter&, layout::BufferKind, std::size_t, Converter::Tile&) {}
-  std::uint64_t changed(const Converter&, layout::BufferKind, std::size_t, const Converter::Tile&) {
+  void changed(const Converter&, layout::BufferKind, std::size_t, const Converter::Tile&) {
     throw error("dte bench compare: the converter only runs full passes");
   }
   void all(const Converter& f, layout::BufferKind b, std::size_t t, const Converter::Tile& s) {
@@ -80,6 +80,7 @@ struct EveryElement {
   }
   template <class Access>
   void end(const Converter&, const Access&, pipeline::ScanMode) {}
+  [[nodiscard]] std::uint64_t entries() const noexcept { return 0; }
 };
 
 template <class Access, class Emit>

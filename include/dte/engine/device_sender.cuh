@@ -4,9 +4,10 @@
 // (pipeline/device.cuh: detect, compact, route, bucket, with the publication's one
 // synchronisation for the counts); the per-receiver buckets then come to the host (pinned
 // memory, one synchronisation: 10 bytes per changed element and copy, not the 12 bytes per
-// element a host scan would need) and are encoded into the wire messages there
-// (wire::encode_bucket: consecutive indices as dense runs). The interface is HostSenderRank's
-// (engine/sender.hpp): DeltaEngine picks this class for exec::Cuda through detail::sender_rank.
+// element a host scan would need) and are read into the wire messages there, each receiver's
+// bucket as its stream (engine/wire.hpp's sending policy, as the host sender's RoutingSink does).
+// The interface is HostSenderRank's (engine/sender.hpp): DeltaEngine picks this class for
+// exec::Cuda through detail::sender_rank.
 #pragma once
 
 #if !defined(__CUDACC__)
@@ -20,7 +21,6 @@
 #include <vector>
 
 #include "dte/concepts.hpp"
-#include "dte/engine/bucket_encode.hpp"
 #include "dte/engine/outbox.hpp"
 #include "dte/engine/sender.hpp"
 #include "dte/engine/wire.hpp"
@@ -32,10 +32,6 @@ namespace dte {
 template <optimizer_inverse Inverse, change_detector Detect, transfer_plan Plan>
 class DeviceSenderRank {
  public:
-  // Consecutive indices of one tensor in a bucket at least this long go as one dense run (2
-  // bytes per element) rather than as indexed entries.
-  static constexpr std::size_t min_run = 32;
-
   DeviceSenderRank(const layout::HfModel& hf, const layout::TrainTopology& train,
                    const layout::ServingLayout& receivers, std::int64_t rank, bool keep_mask,
                    exec::Cuda e)
@@ -55,7 +51,7 @@ class DeviceSenderRank {
     ScanResult out;
     if (mode != pipeline::ScanMode::mark) {
       out.digest.assign(static_cast<std::size_t>(hf_->size()), 0);
-      begin_messages();
+      outbox_.begin(mode == pipeline::ScanMode::all);
     }
     const auto buffers = pipeline_.scan(access, mode);
     for (const pipeline::device::BufferOutput& o : buffers) {
@@ -106,19 +102,18 @@ class DeviceSenderRank {
       }
       return std::span<const float>(host);
     };
-    return detail::repair_messages<Detect>(runs(), outbox_, theta_of, bad, resync, version,
-                                           static_cast<std::int64_t>(wire::dense_run_piece));
+    return detail::repair_messages<Detect>(runs(), outbox_, theta_of, bad, resync, version);
   }
 
  private:
   // Both buffers' buckets come to pinned host memory with one synchronisation, then into the
-  // messages: per buffer and receiver, in bucket order (shard order). Returns the indexed
-  // entries written.
+  // messages: per buffer and receiver, in bucket order (shard order), each receiver's stream
+  // ended after the last buffer. Returns the indexed entries written.
   std::uint64_t encode(const std::array<pipeline::device::BufferOutput, 2>& buffers) {
     std::size_t bytes = 0;
     for (const auto& o : buffers)
       bytes += (o.buckets.size() * 10 + 7) / 8 * 8;  // each buffer's arrays 8-byte aligned
-    if (bytes == 0) return 0;
+    if (bytes == 0) return 0;                        // (nothing added: every stream is empty)
     std::byte* h = staging_.reserve(bytes);
     const cudaStream_t stream = pipeline_.executor().stream();
     std::array<std::byte*, 2> at{};
@@ -136,7 +131,6 @@ class DeviceSenderRank {
       used += (10 * n + 7) / 8 * 8;
     }
     pipeline_.executor().synchronize();
-    std::uint64_t entries = 0;
     for (std::size_t x = 0; x < 2; ++x) {
       const pipeline::device::Buckets& b = buffers[x].buckets;
       const std::size_t n = b.size();
@@ -147,11 +141,13 @@ class DeviceSenderRank {
       const std::span<const std::uint16_t> bits(
           reinterpret_cast<const std::uint16_t*>(at[x] + 8 * n), n);
       for (std::size_t d = 0; d < outbox_.size(); ++d) {
-        entries +=
-            wire::encode_bucket(outbox_[d], tensor, index, bits, b.offset[d], b.count[d], min_run);
+        wire::MessageWriter& w = outbox_[d];
+        for (std::size_t k = b.offset[d]; k < b.offset[d] + b.count[d]; ++k)
+          w.add(tensor[k], index[k], bits[k]);
       }
     }
-    return entries;
+    outbox_.flush();
+    return outbox_.entries();
   }
 
   const layout::HfModel* hf_;

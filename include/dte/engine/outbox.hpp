@@ -22,11 +22,25 @@ class Outbox {
   [[nodiscard]] std::size_t size() const noexcept { return writers_.size(); }
   MessageWriter& operator[](std::size_t receiver) { return writers_[receiver]; }
 
-  // Empty messages (header only; also what a no-op version sends).
-  void begin() {
+  // Empty messages (header only; also what a no-op version sends). whole: the messages write
+  // whole runs (a full publication, a repair), every stretch dense (MessageWriter::begin).
+  void begin(bool whole = false) {
     for (MessageWriter& w : writers_)
-      w.begin();
+      w.begin(whole ? 1 : dense_min_run);
   }
+  // Ends every receiver's stream (MessageWriter::flush).
+  void flush() {
+    for (MessageWriter& w : writers_)
+      w.flush();
+  }
+  // Elements written as indexed entries, over every message (final after flush()).
+  [[nodiscard]] std::uint64_t entries() const noexcept {
+    std::uint64_t n = 0;
+    for (const MessageWriter& w : writers_)
+      n += w.entries();
+    return n;
+  }
+
   // Closes every message and returns them, one per receiver (each at least a header, so every
   // receiver checks the version chain against every sender).
   std::vector<Payload> finish(MessageKind kind, Version version, Version base) {

@@ -73,8 +73,7 @@ class HostSenderRank {
                               const std::vector<bool>& resync, Version version) {
     return detail::repair_messages<Detect>(
         frame_.runs(), sink_.outbox(),
-        [&](layout::BufferKind b) { return access.theta(frame_.rank(), b); }, bad, resync, version,
-        Frame::tile);
+        [&](layout::BufferKind b) { return access.theta(frame_.rank(), b); }, bad, resync, version);
   }
 
  private:

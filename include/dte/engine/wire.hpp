@@ -141,39 +141,79 @@ inline const std::byte* skip_group(const std::byte* p, const Group& h) noexcept 
 
 }  // namespace detail
 
+// The encoding policy, the one every sender uses (host and CUDA; engine/routing_sink.hpp and
+// engine/device_sender.cuh): what a message holds is a function of the stream of (tensor, index,
+// value) the sender appends for its receiver, in order, and of nothing else: not of how the
+// stream was cut into calls, nor of which backend produced it. A maximal stretch of consecutive
+// indices of one tensor at least dense_min_run long goes as dense groups of at most
+// dense_run_piece values (cut from the stretch's start); every other element as an indexed entry.
+// A message that writes whole runs (a full publication, a repair) sends every stretch dense:
+// its elements are all the receiver's, and the receiver checks a full publication's coverage by
+// its dense groups.
+//
+// Why 256: a sparse entry in a stretch costs its 2 value bytes plus its share of a block header
+// (8 bytes per 128, gaps of zero take no bits), a dense element 2 bytes, and a stretch sent dense
+// inside a sparse region costs two group headers (40 bytes): from 256 on that is at most 8 % more
+// bytes for the stretch, and the receiver copies it instead of decoding an index per value. A
+// full publication and a delta of a fully changed tensor are then dense groups only.
+inline constexpr std::size_t dense_min_run = 256;
+inline constexpr std::size_t dense_run_piece = std::size_t{1} << 16;
+
 // Builds one message for one receiver in fixed 64 KiB chunks, so a sender holds its payload plus
-// at most one partly filled chunk per receiver, never a doubling vector's slack. add() buffers the
-// open block's up to 128 entries and codes the block when it fills; group and message headers
-// are patched in place when the group closes and at finish().
+// at most one partly filled chunk per receiver, never a doubling vector's slack. Elements arrive
+// through add() and add_run() and are encoded by the policy above: a stretch shorter than
+// dense_min_run so far is held back (at most dense_min_run - 1 values), the open block buffers up
+// to 128 entries and is coded when it fills; group and message headers are patched in place when
+// the group closes and at finish().
 class MessageWriter {
  public:
   static constexpr std::size_t chunk_bytes = std::size_t{1} << 16;
 
   // Starts a message (frees any previous one); its kind, version and base are written by finish().
-  void begin() {
+  // min_run: the shortest stretch sent dense, dense_min_run for a delta, 1 for a message that
+  // writes whole runs (a full publication or a repair: every stretch dense).
+  void begin(std::size_t min_run = dense_min_run) {
+    if (min_run < 1 || min_run > dense_min_run) {
+      throw invalid_argument("dte::wire::MessageWriter: min_run " + std::to_string(min_run) +
+                             " is outside 1 .. " + std::to_string(dense_min_run));
+    }
     clear();
     begun_ = true;
+    min_run_ = static_cast<std::uint32_t>(min_run);
     const std::array<std::byte, header_bytes> zero{};
     put(zero.data(), zero.size());
   }
 
-  // One sparse entry. Opens a new sparse group when `tensor` differs from the open group's, when
-  // the open group is dense (or none is open), or when `index` is not above the last one added
-  // (and, so that a count fits its u32, when the open group already holds 2^32 - 1 entries).
+  // The next element of the stream: element `index` of receiver tensor `tensor` has value `bits`.
   void add(std::uint32_t tensor, std::uint32_t index, std::uint16_t bits) {
-    if (tensor != open_tensor_ || index <= last_ || count_ == max_count) open_sparse(tensor, index);
-    index_[n_] = index;
-    bits_[n_] = bits;
-    last_ = index;
-    ++count_;
-    ++entries_;
-    if (++n_ == block_entries) flush_block();
+    if (dense_) {
+      if (continues(tensor, index)) {
+        if (count_ == dense_run_piece) open_dense(tensor, index);
+        put(&bits, 2);
+        last_ = index;
+        ++count_;
+        ++run_elements_;
+        return;
+      }
+      close_group();
+    }
+    if (held_ > 0 && tensor == held_tensor_ &&
+        std::uint64_t{index} == std::uint64_t{held_first_} + held_) {
+      held_bits_[held_++] = bits;
+    } else {
+      if (!begun_) throw invalid_argument("dte::wire::MessageWriter: add() before begin()");
+      release_held();
+      held_tensor_ = tensor;
+      held_first_ = index;
+      held_bits_[0] = bits;
+      held_ = 1;
+    }
+    if (held_ == min_run_) held_to_dense();
   }
 
-  // One dense group: bits[i] is the value of element first + i. Closes any open group first; an
-  // empty span adds nothing.
+  // Elements first, first + 1, ... of `tensor` with values `bits`: the same as add() of each in
+  // turn (a stretch that reaches dense_min_run is copied in bulk). An empty span adds nothing.
   void add_run(std::uint32_t tensor, std::uint32_t first, std::span<const std::uint16_t> bits) {
-    close_group();
     if (bits.empty()) return;
     if (bits.size() - 1 > std::size_t{max_count - first}) {
       throw invalid_argument("dte::wire::MessageWriter: a dense run of " +
@@ -181,17 +221,58 @@ class MessageWriter {
                              std::to_string(first) + " of tensor " + std::to_string(tensor) +
                              " passes the last 32-bit index");
     }
-    open_group();
-    const auto count = static_cast<std::uint32_t>(bits.size());
-    std::array<std::byte, group_header_bytes> h{};
-    detail::store(h.data(), tensor);
-    h[4] = std::byte{dense_type};
-    detail::store(h.data() + 8, first);
-    detail::store(h.data() + 12, first + (count - 1));
-    detail::store(h.data() + 16, count);
-    put(h.data(), h.size());
+    std::size_t i = 0;
+    while (i < bits.size()) {
+      const auto index = first + static_cast<std::uint32_t>(i);
+      if (!dense_ || !continues(tensor, index) || count_ == dense_run_piece) {
+        add(tensor, index, bits[i++]);
+        continue;
+      }
+      const std::size_t n = std::min(bits.size() - i, dense_run_piece - count_);
+      put(bits.data() + i, 2 * n);
+      last_ = index + static_cast<std::uint32_t>(n - 1);
+      count_ += static_cast<std::uint32_t>(n);
+      run_elements_ += n;
+      i += n;
+    }
+  }
+
+  // One indexed entry, outside the policy (the stream is ended first, as flush() does). Opens a
+  // new sparse group when `tensor` differs from the open group's, when the open group is dense
+  // (or none is open), or when `index` is not above the last one added (and, so that a count fits
+  // its u32, when the open group already holds 2^32 - 1 entries). For tests and tools that build
+  // a given message; senders use add() and add_run().
+  void add_entry(std::uint32_t tensor, std::uint32_t index, std::uint16_t bits) {
+    if (held_ > 0) release_held();
+    entry(tensor, index, bits);
+  }
+
+  // Exactly one dense group of bits.size() values from `first`, outside the policy: it ends the
+  // stream first (as flush() does). For tests and tools that build a given message; senders use
+  // add() and add_run(). An empty span adds nothing.
+  void add_dense_group(std::uint32_t tensor, std::uint32_t first,
+                       std::span<const std::uint16_t> bits) {
+    flush();
+    if (bits.empty()) return;
+    if (bits.size() - 1 > std::size_t{max_count - first}) {
+      throw invalid_argument("dte::wire::MessageWriter: a dense run of " +
+                             std::to_string(bits.size()) + " values from index " +
+                             std::to_string(first) + " of tensor " + std::to_string(tensor) +
+                             " passes the last 32-bit index");
+    }
+    open_dense(tensor, first);
     put(bits.data(), 2 * bits.size());
+    last_ = first + static_cast<std::uint32_t>(bits.size() - 1);
+    count_ = static_cast<std::uint32_t>(bits.size());
     run_elements_ += bits.size();
+    close_group();
+  }
+
+  // Ends the stream: what add() held back is written and the open group closed (a later add()
+  // starts a new stretch). finish() does it too; entries() and run_elements() are final after it.
+  void flush() {
+    release_held();
+    close_group();
   }
 
   // Codes the pending block, patches the open group's header and the message header.
@@ -201,7 +282,7 @@ class MessageWriter {
     if (k < 1 || k > 4) {
       throw invalid_argument("dte::wire::MessageWriter: unknown message kind " + std::to_string(k));
     }
-    close_group();
+    flush();
     std::array<std::byte, header_bytes> h{};
     detail::store(h.data(), magic);
     h[4] = static_cast<std::byte>(k);
@@ -213,6 +294,7 @@ class MessageWriter {
 
   [[nodiscard]] std::size_t size() const noexcept { return size_; }
   [[nodiscard]] std::size_t capacity() const noexcept { return chunks_.size() * chunk_bytes; }
+  // Elements written as indexed entries and in dense groups (held-back ones not yet counted).
   [[nodiscard]] std::uint64_t entries() const noexcept { return entries_; }
   [[nodiscard]] std::uint64_t run_elements() const noexcept { return run_elements_; }
 
@@ -235,14 +317,61 @@ class MessageWriter {
     groups_ = 0;
     begun_ = false;
     open_tensor_ = no_group;
+    dense_ = false;
     n_ = 0;
+    held_ = 0;
   }
 
  private:
   static constexpr std::uint64_t no_group = ~std::uint64_t{0};  // never equals a u32 tensor id
   static constexpr std::uint32_t max_count = std::numeric_limits<std::uint32_t>::max();
 
-  void open_group() {
+  // Whether element (tensor, index) follows the open group's last one.
+  [[nodiscard]] bool continues(std::uint32_t tensor, std::uint32_t index) const noexcept {
+    return tensor == open_tensor_ && last_ != max_count && index == last_ + 1;
+  }
+
+  // The held-back stretch as indexed entries.
+  void release_held() {
+    for (std::uint32_t k = 0; k < held_; ++k)
+      entry(held_tensor_, held_first_ + k, held_bits_[k]);
+    held_ = 0;
+  }
+
+  // The held-back stretch reached min_run_: it opens a dense group.
+  void held_to_dense() {
+    open_dense(held_tensor_, held_first_);
+    put(held_bits_.data(), 2 * std::size_t{held_});
+    last_ = held_first_ + (held_ - 1);
+    count_ = held_;
+    run_elements_ += held_;
+    held_ = 0;
+  }
+
+  // One indexed entry (add_entry() without ending the stream).
+  void entry(std::uint32_t tensor, std::uint32_t index, std::uint16_t bits) {
+    if (dense_ || tensor != open_tensor_ || index <= last_ || count_ == max_count) {
+      open_group(tensor, index, sparse_type);
+    }
+    index_[n_] = index;
+    bits_[n_] = bits;
+    last_ = index;
+    ++count_;
+    ++entries_;
+    if (++n_ == block_entries) flush_block();
+  }
+
+  // A dense group from `first`, its values appended by the caller (last and count patched when
+  // it closes).
+  void open_dense(std::uint32_t tensor, std::uint32_t first) {
+    open_group(tensor, first, dense_type);
+    dense_ = true;
+  }
+
+  // Closes the open group and writes the header of a new one of `type`, with `last` and `count`
+  // left for close_group() to patch.
+  void open_group(std::uint32_t tensor, std::uint32_t first, std::uint8_t type) {
+    close_group();
     if (!begun_) {
       throw invalid_argument("dte::wire::MessageWriter: add() or add_run() before begin()");
     }
@@ -250,16 +379,10 @@ class MessageWriter {
       throw invalid_argument("dte::wire::MessageWriter: more than 2^32 - 1 groups in a message");
     }
     ++groups_;
-  }
-
-  // Writes the group header with `last` and `count` left for close_group() to patch.
-  void open_sparse(std::uint32_t tensor, std::uint32_t index) {
-    close_group();
-    open_group();
     std::array<std::byte, group_header_bytes> h{};
     detail::store(h.data(), tensor);
-    h[4] = std::byte{sparse_type};
-    detail::store(h.data() + 8, index);
+    h[4] = std::byte{type};
+    detail::store(h.data() + 8, first);
     group_at_ = size_;
     put(h.data(), h.size());
     open_tensor_ = tensor;
@@ -275,6 +398,7 @@ class MessageWriter {
     detail::store(h.data() + 4, count_);
     patch(group_at_ + 12, h.data(), h.size());
     open_tensor_ = no_group;
+    dense_ = false;
   }
 
   // Codes the buffered n_ entries as one block, straight into the current chunk when the largest
@@ -380,10 +504,15 @@ class MessageWriter {
   std::uint64_t entries_ = 0, run_elements_ = 0;
   std::uint32_t groups_ = 0;
   bool begun_ = false;
-  // The open sparse group.
+  // The open group (sparse or dense_).
   std::uint64_t open_tensor_ = no_group;
+  bool dense_ = false;
   std::uint32_t last_ = 0, count_ = 0;
   std::size_t group_at_ = 0;
+  // The stretch held back: held_ consecutive values of held_tensor_ from held_first_.
+  std::uint32_t held_tensor_ = 0, held_first_ = 0, held_ = 0;
+  std::uint32_t min_run_ = dense_min_run;  // this message's (begin())
+  std::array<std::uint16_t, dense_min_run> held_bits_;
   // The open block.
   std::uint32_t n_ = 0;
   std::array<std::uint32_t, block_entries> index_;
@@ -677,15 +806,16 @@ struct Message {
   std::vector<DenseRun> runs;
 };
 
-// Encodes through MessageWriter: the entries in the given order (a new group wherever the
-// writer's rule says), then the runs (empty ones add nothing).
+// Encodes exactly as given, outside the sending policy (MessageWriter::add_entry and
+// add_dense_group): the entries in the given order (a new group wherever the writer's group rule
+// says), then each run as one dense group (empty ones add nothing).
 inline std::vector<std::byte> encode(const Message& m) {
   MessageWriter w;
   w.begin();
   for (const DeltaEntry& e : m.entries)
-    w.add(e.tensor, e.index, e.bits);
+    w.add_entry(e.tensor, e.index, e.bits);
   for (const DenseRun& r : m.runs)
-    w.add_run(r.tensor, r.index, r.bits);
+    w.add_dense_group(r.tensor, r.index, r.bits);
   w.finish(m.kind, m.version, m.base);
   std::vector<std::byte> out;
   out.reserve(w.size());

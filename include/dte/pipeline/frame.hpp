@@ -8,6 +8,9 @@
 //     copy, then encode one wire message per receiver (the engine's outbox);
 //   - the chunk sink (storage/chunk_sink.hpp): every element in canonical coordinates into
 //     chunks (storage versions, publication messages).
+// A sink has begin(frame, mode); prepare(frame, buffer, tile, scratch) (in parallel); changed or
+// all(frame, buffer, tile, scratch) (serial: a delta's compacted elements or a full pass's
+// values); end(frame, access, mode); and entries(), what it wrote one by one.
 // Tiles run in parallel on the executor; the sink's serial step runs in tile order, so what it
 // writes does not depend on the thread count. Memory: the K-step dirty mask and tile-sized
 // buffers per executor thread: nothing scales with the model but the mask.
@@ -44,7 +47,7 @@ struct ScanResult {
   std::uint64_t scanned = 0;   // elements looked at
   std::uint64_t changed = 0;   // elements sent (full: every element this rank sends)
   std::uint64_t guard = 0;     // of the changed, sent because of the guard band only
-  std::uint64_t entries = 0;   // what the sink wrote one by one (not as dense runs)
+  std::uint64_t entries = 0;   // what the sink wrote one by one (not as dense runs): entries()
   double seconds = 0;
 };
 
@@ -126,6 +129,7 @@ class SenderFrame {
       if (invalid_segment_ >= 0) refuse(access, b);  // throws
     }
     sink.end(*this, access, mode);
+    out.entries = sink.entries();
     out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return out;
   }
@@ -365,9 +369,7 @@ class SenderFrame {
   // The sink of mark(): nothing is written.
   struct Marking {
     void prepare(const SenderFrame&, layout::BufferKind, std::size_t, Tile&) {}
-    std::uint64_t changed(const SenderFrame&, layout::BufferKind, std::size_t, const Tile&) {
-      return 0;
-    }
+    void changed(const SenderFrame&, layout::BufferKind, std::size_t, const Tile&) {}
     void all(const SenderFrame&, layout::BufferKind, std::size_t, const Tile&) {}
   };
 
@@ -425,7 +427,7 @@ class SenderFrame {
         sink.all(*this, b, t, s);
       } else {
         out.changed += s.counts.flagged;
-        out.entries += sink.changed(*this, b, t, s);
+        sink.changed(*this, b, t, s);
       }
     };
     exec_.for_each_ordered(tiles(b), par, ser);

@@ -81,15 +81,15 @@ class ChunkSink {
   // ---- What the frame calls ----
 
   template <class Frame>
-  void begin(const Frame&, pipeline::ScanMode) {}
+  void begin(const Frame&, pipeline::ScanMode) {
+    changed_ = 0;
+  }
   template <class Frame>
   void prepare(const Frame&, layout::BufferKind, std::size_t, typename Frame::Tile&) {}
 
-  // In tile order: the tile's changed elements. Returns how many.
+  // In tile order: the tile's changed elements.
   template <class Frame>
-  std::uint64_t changed(const Frame& f, layout::BufferKind b, std::size_t t,
-                        const typename Frame::Tile& s) {
-    std::uint64_t n = 0;
+  void changed(const Frame& f, layout::BufferKind b, std::size_t t, const typename Frame::Tile& s) {
     f.for_each_changed(b, t, s, [&](const pipeline::Run& run, std::int64_t o, std::uint16_t bits) {
       const auto tensor = static_cast<std::uint32_t>(run.tensor);
       if constexpr (Diff) {
@@ -98,9 +98,8 @@ class ChunkSink {
       } else {
         put(tensor, f.canonical_index(run, o), bits);
       }
-      ++n;
+      ++changed_;
     });
-    return n;
   }
 
   // A full publication, in tile order: every value of the tile's piece of every run.
@@ -121,6 +120,9 @@ class ChunkSink {
   void end(const Frame&, const Access&, pipeline::ScanMode) {
     flush();
   }
+
+  // The changed elements of the last delta (a full publication writes none one by one).
+  [[nodiscard]] std::uint64_t entries() const noexcept { return changed_; }
 
   // ---- Element by element ----
 
@@ -224,6 +226,7 @@ class ChunkSink {
   std::vector<std::vector<std::uint32_t>> valued_;  // classes: per tensor, value-chunk indices
   Open open_[2];                                    // value, diff
   std::vector<ChunkEntry> written_;
+  std::uint64_t changed_ = 0;  // this delta's changed elements
 };
 
 }  // namespace dte::storage
