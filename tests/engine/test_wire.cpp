@@ -918,6 +918,59 @@ TEST_CASE("wire: the sending policy: a message depends on the stream only, not o
   CHECK(dense_groups > 10);  // the streams exercise both encodings
   CHECK(sparse_entries > 1000);
 
+  // Stretches after P indexed entries of the same group, P around the block size: the writer
+  // codes whole blocks before the stretch while it grows, then takes the stretch back out.
+  for (const std::size_t p : {0, 1, 127, 128, 129, 255, 256, 257, 300}) {
+    for (const std::size_t len : {wire::dense_min_run - 1, wire::dense_min_run, std::size_t{700}}) {
+      CAPTURE(p);
+      CAPTURE(len);
+      std::vector<Element> st;
+      for (std::size_t k = 0; k < p; ++k)
+        st.push_back({1, static_cast<std::uint32_t>(3 * k), static_cast<std::uint16_t>(k)});
+      for (std::size_t k = 0; k < len; ++k)
+        st.push_back(
+            {1, static_cast<std::uint32_t>(3 * p + 10 + k), static_cast<std::uint16_t>(k)});
+      for (std::size_t k = 0; k < 5; ++k)  // and entries after it, in the same tensor
+        st.push_back({1, static_cast<std::uint32_t>(3 * p + 20 + len + 2 * k), 9});
+      const Bytes want = policy_reference(st, wire::dense_min_run);
+      wire::MessageWriter w;
+      w.begin();
+      for (const Element& e : st)
+        w.add(e.tensor, e.index, e.bits);
+      w.finish(MessageKind::delta, 2, 1);
+      CHECK(gather_message(w) == want);
+      wire::MessageWriter c;
+      c.begin();
+      feed_cut(c, st, rng);
+      c.finish(MessageKind::delta, 2, 1);
+      CHECK(gather_message(c) == want);
+      CHECK_NOTHROW(wire::MessageView(want, "test"));
+    }
+  }
+
+  // A sparse group taken back whose header had opened a new 64 KiB chunk (or straddled into
+  // one): the writer continues in the chunk before. Leading dense groups place the header.
+  for (const std::size_t lead : {std::size_t{0}, std::size_t{1}, std::size_t{5}, std::size_t{9},
+                                 std::size_t{10}, std::size_t{11}}) {
+    CAPTURE(lead);
+    // 32 (message header) + 20 + 2 * v: the next header starts at 65536 - 2 * lead
+    const std::size_t v = (wire::MessageWriter::chunk_bytes - 52) / 2 - lead;
+    std::vector<Element> st;
+    for (std::size_t k = 0; k < v; ++k)
+      st.push_back({0, static_cast<std::uint32_t>(k), 5});
+    for (std::size_t k = 0; k < 600; ++k)
+      st.push_back({2, static_cast<std::uint32_t>(100 + k), static_cast<std::uint16_t>(k)});
+    st.push_back({2, 5000, 1});
+    wire::MessageWriter w;
+    w.begin();
+    for (const Element& e : st)
+      w.add(e.tensor, e.index, e.bits);
+    w.finish(MessageKind::delta, 2, 1);
+    const Bytes got = gather_message(w);
+    CHECK(got == policy_reference(st, wire::dense_min_run));
+    CHECK_NOTHROW(wire::MessageView(got, "test"));
+  }
+
   CHECK_THROWS_AS(wire::MessageWriter().begin(0), invalid_argument);
   CHECK_THROWS_AS(wire::MessageWriter().begin(wire::dense_min_run + 1), invalid_argument);
 

@@ -161,10 +161,12 @@ inline constexpr std::size_t dense_run_piece = std::size_t{1} << 16;
 
 // Builds one message for one receiver in fixed 64 KiB chunks, so a sender holds its payload plus
 // at most one partly filled chunk per receiver, never a doubling vector's slack. Elements arrive
-// through add() and add_run() and are encoded by the policy above: a stretch shorter than
-// dense_min_run so far is held back (at most dense_min_run - 1 values), the open block buffers up
-// to 128 entries and is coded when it fills; group and message headers are patched in place when
-// the group closes and at finish().
+// through add() and add_run() and are encoded by the policy above. An element that does not
+// continue a dense group is added as an indexed entry; the open sparse group's last entries that
+// are not yet coded (up to 128 plus the stretch that ends them) stay in a buffer, so a stretch
+// that reaches the minimum leaves the sparse group for a dense one (a sparse group left empty is
+// taken back). Blocks of 128 entries are coded as soon as the stretch has moved past them; group
+// and message headers are patched in place when the group closes and at finish().
 class MessageWriter {
  public:
   static constexpr std::size_t chunk_bytes = std::size_t{1} << 16;
@@ -188,31 +190,39 @@ class MessageWriter {
   void add(std::uint32_t tensor, std::uint32_t index, std::uint16_t bits) {
     if (dense_) {
       if (continues(tensor, index)) {
-        if (count_ == dense_run_piece) open_dense(tensor, index);
-        put(&bits, 2);
-        last_ = index;
-        ++count_;
-        ++run_elements_;
+        if (count_ == dense_run_piece) open_dense(tensor, index);  // (the stretch goes on)
+        append_dense(index, bits);
         return;
       }
       close_group();
     }
-    if (held_ > 0 && tensor == held_tensor_ &&
-        std::uint64_t{index} == std::uint64_t{held_first_} + held_) {
-      held_bits_[held_++] = bits;
-    } else {
-      if (!begun_) throw invalid_argument("dte::wire::MessageWriter: add() before begin()");
-      release_held();
-      held_tensor_ = tensor;
-      held_first_ = index;
-      held_bits_[0] = bits;
-      held_ = 1;
+    if (min_run_ == 1) {  // every stretch dense
+      open_dense(tensor, index);
+      append_dense(index, bits);
+      return;
     }
-    if (held_ == min_run_) held_to_dense();
+    // An indexed entry, provisionally: run_ counts the stretch it ends among the open block's.
+    if (tensor == open_tensor_ && index > last_ && count_ != max_count) {
+      run_ = index == last_ + 1 ? run_ + 1 : 1;
+    } else {
+      open_group(tensor, index, sparse_type);
+      run_ = 1;
+    }
+    index_[n_] = index;
+    bits_[n_] = bits;
+    last_ = index;
+    ++count_;
+    ++entries_;
+    ++n_;
+    if (run_ == min_run_) {
+      stretch_to_dense();
+    } else {
+      settle();
+    }
   }
 
   // Elements first, first + 1, ... of `tensor` with values `bits`: the same as add() of each in
-  // turn (a stretch that reaches dense_min_run is copied in bulk). An empty span adds nothing.
+  // turn (once the stretch is dense, copied in bulk). An empty span adds nothing.
   void add_run(std::uint32_t tensor, std::uint32_t first, std::span<const std::uint16_t> bits) {
     if (bits.empty()) return;
     if (bits.size() - 1 > std::size_t{max_count - first}) {
@@ -229,6 +239,7 @@ class MessageWriter {
         continue;
       }
       const std::size_t n = std::min(bits.size() - i, dense_run_piece - count_);
+      drain_dense();
       put(bits.data() + i, 2 * n);
       last_ = index + static_cast<std::uint32_t>(n - 1);
       count_ += static_cast<std::uint32_t>(n);
@@ -237,22 +248,31 @@ class MessageWriter {
     }
   }
 
-  // One indexed entry, outside the policy (the stream is ended first, as flush() does). Opens a
-  // new sparse group when `tensor` differs from the open group's, when the open group is dense
-  // (or none is open), or when `index` is not above the last one added (and, so that a count fits
+  // One indexed entry, outside the policy: it never becomes part of a dense group. Opens a new
+  // sparse group when `tensor` differs from the open group's, when the open group is dense (or
+  // none is open), or when `index` is not above the last one added (and, so that a count fits
   // its u32, when the open group already holds 2^32 - 1 entries). For tests and tools that build
   // a given message; senders use add() and add_run().
   void add_entry(std::uint32_t tensor, std::uint32_t index, std::uint16_t bits) {
-    if (held_ > 0) release_held();
-    entry(tensor, index, bits);
+    if (dense_ || tensor != open_tensor_ || index <= last_ || count_ == max_count) {
+      open_group(tensor, index, sparse_type);
+    }
+    run_ = 0;
+    index_[n_] = index;
+    bits_[n_] = bits;
+    last_ = index;
+    ++count_;
+    ++entries_;
+    ++n_;
+    settle();
   }
 
-  // Exactly one dense group of bits.size() values from `first`, outside the policy: it ends the
-  // stream first (as flush() does). For tests and tools that build a given message; senders use
-  // add() and add_run(). An empty span adds nothing.
+  // Exactly one dense group of bits.size() values from `first`, outside the policy (the open
+  // group is closed first). For tests and tools that build a given message; senders use add()
+  // and add_run(). An empty span adds nothing but closes the open group.
   void add_dense_group(std::uint32_t tensor, std::uint32_t first,
                        std::span<const std::uint16_t> bits) {
-    flush();
+    close_group();
     if (bits.empty()) return;
     if (bits.size() - 1 > std::size_t{max_count - first}) {
       throw invalid_argument("dte::wire::MessageWriter: a dense run of " +
@@ -268,12 +288,9 @@ class MessageWriter {
     close_group();
   }
 
-  // Ends the stream: what add() held back is written and the open group closed (a later add()
-  // starts a new stretch). finish() does it too; entries() and run_elements() are final after it.
-  void flush() {
-    release_held();
-    close_group();
-  }
+  // Ends the stream: the open group is closed (a later add() starts a new stretch). finish() does
+  // it too; entries() and run_elements() are final after it.
+  void flush() { close_group(); }
 
   // Codes the pending block, patches the open group's header and the message header.
   void finish(MessageKind kind, Version version, Version base) {
@@ -294,7 +311,7 @@ class MessageWriter {
 
   [[nodiscard]] std::size_t size() const noexcept { return size_; }
   [[nodiscard]] std::size_t capacity() const noexcept { return chunks_.size() * chunk_bytes; }
-  // Elements written as indexed entries and in dense groups (held-back ones not yet counted).
+  // Elements written as indexed entries and in dense groups (final once the stream ended).
   [[nodiscard]] std::uint64_t entries() const noexcept { return entries_; }
   [[nodiscard]] std::uint64_t run_elements() const noexcept { return run_elements_; }
 
@@ -318,47 +335,62 @@ class MessageWriter {
     begun_ = false;
     open_tensor_ = no_group;
     dense_ = false;
-    n_ = 0;
-    held_ = 0;
+    n_ = run_ = pending_ = 0;
   }
 
  private:
   static constexpr std::uint64_t no_group = ~std::uint64_t{0};  // never equals a u32 tensor id
   static constexpr std::uint32_t max_count = std::numeric_limits<std::uint32_t>::max();
+  // The open block's room: 128 entries before the stretch plus the stretch, shorter than
+  // dense_min_run until it turns dense.
+  static constexpr std::size_t block_room = block_entries + dense_min_run;
 
   // Whether element (tensor, index) follows the open group's last one.
   [[nodiscard]] bool continues(std::uint32_t tensor, std::uint32_t index) const noexcept {
     return tensor == open_tensor_ && last_ != max_count && index == last_ + 1;
   }
 
-  // The held-back stretch as indexed entries.
-  void release_held() {
-    for (std::uint32_t k = 0; k < held_; ++k)
-      entry(held_tensor_, held_first_ + k, held_bits_[k]);
-    held_ = 0;
-  }
-
-  // The held-back stretch reached min_run_: it opens a dense group.
-  void held_to_dense() {
-    open_dense(held_tensor_, held_first_);
-    put(held_bits_.data(), 2 * std::size_t{held_});
-    last_ = held_first_ + (held_ - 1);
-    count_ = held_;
-    run_elements_ += held_;
-    held_ = 0;
-  }
-
-  // One indexed entry (add_entry() without ending the stream).
-  void entry(std::uint32_t tensor, std::uint32_t index, std::uint16_t bits) {
-    if (dense_ || tensor != open_tensor_ || index <= last_ || count_ == max_count) {
-      open_group(tensor, index, sparse_type);
-    }
-    index_[n_] = index;
-    bits_[n_] = bits;
+  // The open dense group's next value (buffered: one put per dense_min_run values).
+  void append_dense(std::uint32_t index, std::uint16_t bits) {
+    pending_bits_[pending_++] = bits;
+    if (pending_ == pending_bits_.size()) drain_dense();
     last_ = index;
     ++count_;
-    ++entries_;
-    if (++n_ == block_entries) flush_block();
+    ++run_elements_;
+  }
+  void drain_dense() {
+    if (pending_ == 0) return;
+    put(pending_bits_.data(), 2 * std::size_t{pending_});
+    pending_ = 0;
+  }
+
+  // The stretch of run_ entries that ends the open sparse group reached min_run_: it leaves the
+  // sparse group (which closes, or is taken back when nothing else is in it) for a dense group.
+  void stretch_to_dense() {
+    const std::uint32_t len = run_, start = n_ - len;
+    const std::uint32_t first = index_[start];
+    const auto tensor = static_cast<std::uint32_t>(open_tensor_);
+    std::array<std::uint16_t, dense_min_run> bits;
+    std::copy_n(bits_.data() + start, len, bits.data());
+    n_ = start;
+    count_ -= len;
+    entries_ -= len;
+    if (count_ == 0) {  // the group holds nothing else: no block of it was written, take it back
+      size_ = group_at_;
+      while (chunks_.size() * chunk_bytes >= size_ + chunk_bytes)
+        chunks_.pop_back();  // (its header had opened a chunk: the current chunk is the last)
+      --groups_;
+      open_tensor_ = no_group;
+    } else {
+      last_ = start > 0 ? index_[start - 1] : block_last_;
+      close_group();
+    }
+    open_dense(tensor, first);
+    put(bits.data(), 2 * std::size_t{len});
+    last_ = first + (len - 1);
+    count_ = len;
+    run_elements_ += len;
+    run_ = 0;
   }
 
   // A dense group from `first`, its values appended by the caller (last and count patched when
@@ -388,28 +420,50 @@ class MessageWriter {
     open_tensor_ = tensor;
     count_ = 0;
     n_ = 0;
+    run_ = 0;
   }
 
   void close_group() {
     if (open_tensor_ == no_group) return;
-    if (n_ > 0) flush_block();
+    if (dense_) {
+      drain_dense();
+    } else {
+      for (std::uint32_t at = 0; at < n_; at += block_entries)
+        flush_block(at, std::min<std::uint32_t>(block_entries, n_ - at));
+      n_ = 0;
+    }
     std::array<std::byte, 8> h{};
     detail::store(h.data(), last_);
     detail::store(h.data() + 4, count_);
     patch(group_at_ + 12, h.data(), h.size());
     open_tensor_ = no_group;
     dense_ = false;
+    run_ = 0;
   }
 
-  // Codes the buffered n_ entries as one block, straight into the current chunk when the largest
-  // block fits there, through scratch_ otherwise.
-  void flush_block() {
-    const std::uint32_t n = n_, gaps = n - 1;
-    n_ = 0;
+  // Codes whole blocks of 128 from the front while they lie before the stretch (the rest move to
+  // the front): afterwards fewer than 128 entries precede it, so a stretch that turns dense
+  // leaves at most one block, the group's last, to code.
+  void settle() {
+    while (n_ - run_ >= block_entries) {
+      flush_block(0, block_entries);
+      n_ -= static_cast<std::uint32_t>(block_entries);
+      std::copy(index_.data() + block_entries, index_.data() + block_entries + n_, index_.data());
+      std::copy(bits_.data() + block_entries, bits_.data() + block_entries + n_, bits_.data());
+    }
+  }
+
+  // Codes the n buffered entries from `at` as one block, straight into the current chunk when
+  // the largest block fits there, through scratch_ otherwise.
+  void flush_block(std::uint32_t at, std::uint32_t n) {
+    const std::uint32_t* const index = index_.data() + at;
+    const std::uint16_t* const values = bits_.data() + at;
+    const std::uint32_t gaps = n - 1;
+    block_last_ = index[n - 1];
     std::array<std::uint32_t, block_entries> gap;  // gap[k]: before entry k + 1
     std::array<std::uint32_t, 34> lengths{};       // gaps g with bit_width(g + 1) == b
     for (std::uint32_t k = 0; k < gaps; ++k) {
-      const std::uint32_t g = index_[k + 1] - index_[k] - 1;  // g + 1 < 2^32
+      const std::uint32_t g = index[k + 1] - index[k] - 1;  // g + 1 < 2^32
       gap[k] = g;
       ++lengths[std::bit_width(g + 1)];
     }
@@ -435,10 +489,10 @@ class MessageWriter {
     const bool direct = room >= max_block_bytes;
     std::byte* const start = direct ? chunks_.back().get() + (chunk_bytes - room) : scratch_.data();
     std::byte* out = start;
-    detail::store(out, index_[0]);
+    detail::store(out, index[0]);
     out[4] = static_cast<std::byte>(w);
     out[5] = static_cast<std::byte>(e);
-    detail::store(out + 6, detail::block_check(index_[n - 1]));
+    detail::store(out + 6, detail::block_check(index[n - 1]));
     out += block_header_bytes;
     std::byte* exc = out + detail::packed_bytes(gaps, w);
     if (w > 0) {
@@ -467,7 +521,7 @@ class MessageWriter {
         bits = bits > 8 ? bits - 8 : 0;
       }
     }
-    std::memcpy(exc, bits_.data(), 2 * std::size_t{n});
+    std::memcpy(exc, values, 2 * std::size_t{n});
     const auto length = static_cast<std::size_t>(exc + 2 * std::size_t{n} - start);
     if (direct) {
       size_ += length;
@@ -509,14 +563,15 @@ class MessageWriter {
   bool dense_ = false;
   std::uint32_t last_ = 0, count_ = 0;
   std::size_t group_at_ = 0;
-  // The stretch held back: held_ consecutive values of held_tensor_ from held_first_.
-  std::uint32_t held_tensor_ = 0, held_first_ = 0, held_ = 0;
   std::uint32_t min_run_ = dense_min_run;  // this message's (begin())
-  std::array<std::uint16_t, dense_min_run> held_bits_;
-  // The open block.
-  std::uint32_t n_ = 0;
-  std::array<std::uint32_t, block_entries> index_;
-  std::array<std::uint16_t, block_entries> bits_;
+  // The open sparse group's entries not yet coded (n_), the stretch of consecutive indices that
+  // ends them (run_), the last index of the last block coded.
+  std::uint32_t n_ = 0, run_ = 0, block_last_ = 0;
+  std::array<std::uint32_t, block_room> index_;
+  std::array<std::uint16_t, block_room> bits_;
+  // The open dense group's values not yet written.
+  std::uint32_t pending_ = 0;
+  std::array<std::uint16_t, dense_min_run> pending_bits_;
   std::array<std::byte, max_block_bytes> scratch_;
 };
 
