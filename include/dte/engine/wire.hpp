@@ -208,12 +208,7 @@ class MessageWriter {
       open_group(tensor, index, sparse_type);
       run_ = 1;
     }
-    index_[n_] = index;
-    bits_[n_] = bits;
-    last_ = index;
-    ++count_;
-    ++entries_;
-    ++n_;
+    push_entry(index, bits);
     if (run_ == min_run_) {
       stretch_to_dense();
     } else {
@@ -225,12 +220,7 @@ class MessageWriter {
   // turn (once the stretch is dense, copied in bulk). An empty span adds nothing.
   void add_run(std::uint32_t tensor, std::uint32_t first, std::span<const std::uint16_t> bits) {
     if (bits.empty()) return;
-    if (bits.size() - 1 > std::size_t{max_count - first}) {
-      throw invalid_argument("dte::wire::MessageWriter: a dense run of " +
-                             std::to_string(bits.size()) + " values from index " +
-                             std::to_string(first) + " of tensor " + std::to_string(tensor) +
-                             " passes the last 32-bit index");
-    }
+    check_run(tensor, first, bits.size());
     std::size_t i = 0;
     while (i < bits.size()) {
       const auto index = first + static_cast<std::uint32_t>(i);
@@ -239,11 +229,7 @@ class MessageWriter {
         continue;
       }
       const std::size_t n = std::min(bits.size() - i, dense_run_piece - count_);
-      drain_dense();
-      put(bits.data() + i, 2 * n);
-      last_ = index + static_cast<std::uint32_t>(n - 1);
-      count_ += static_cast<std::uint32_t>(n);
-      run_elements_ += n;
+      put_dense(index, bits.subspan(i, n));
       i += n;
     }
   }
@@ -258,12 +244,7 @@ class MessageWriter {
       open_group(tensor, index, sparse_type);
     }
     run_ = 0;
-    index_[n_] = index;
-    bits_[n_] = bits;
-    last_ = index;
-    ++count_;
-    ++entries_;
-    ++n_;
+    push_entry(index, bits);
     settle();
   }
 
@@ -274,17 +255,9 @@ class MessageWriter {
                        std::span<const std::uint16_t> bits) {
     close_group();
     if (bits.empty()) return;
-    if (bits.size() - 1 > std::size_t{max_count - first}) {
-      throw invalid_argument("dte::wire::MessageWriter: a dense run of " +
-                             std::to_string(bits.size()) + " values from index " +
-                             std::to_string(first) + " of tensor " + std::to_string(tensor) +
-                             " passes the last 32-bit index");
-    }
+    check_run(tensor, first, bits.size());
     open_dense(tensor, first);
-    put(bits.data(), 2 * bits.size());
-    last_ = first + static_cast<std::uint32_t>(bits.size() - 1);
-    count_ = static_cast<std::uint32_t>(bits.size());
-    run_elements_ += bits.size();
+    put_dense(first, bits);
     close_group();
   }
 
@@ -350,6 +323,34 @@ class MessageWriter {
     return tensor == open_tensor_ && last_ != max_count && index == last_ + 1;
   }
 
+  // A dense run of `n` values from `first` must end at or before the last 32-bit index.
+  static void check_run(std::uint32_t tensor, std::uint32_t first, std::size_t n) {
+    if (n - 1 > std::size_t{max_count - first}) {
+      throw invalid_argument("dte::wire::MessageWriter: a dense run of " + std::to_string(n) +
+                             " values from index " + std::to_string(first) + " of tensor " +
+                             std::to_string(tensor) + " passes the last 32-bit index");
+    }
+  }
+
+  // The open sparse group's next entry, not yet coded.
+  void push_entry(std::uint32_t index, std::uint16_t bits) {
+    index_[n_] = index;
+    bits_[n_] = bits;
+    last_ = index;
+    ++count_;
+    ++entries_;
+    ++n_;
+  }
+
+  // The open dense group's next values, from index `first` (after the buffered ones).
+  void put_dense(std::uint32_t first, std::span<const std::uint16_t> bits) {
+    drain_dense();
+    put(bits.data(), 2 * bits.size());
+    last_ = first + static_cast<std::uint32_t>(bits.size() - 1);
+    count_ += static_cast<std::uint32_t>(bits.size());
+    run_elements_ += bits.size();
+  }
+
   // The open dense group's next value (buffered: one put per dense_min_run values).
   void append_dense(std::uint32_t index, std::uint16_t bits) {
     pending_bits_[pending_++] = bits;
@@ -386,11 +387,7 @@ class MessageWriter {
       close_group();
     }
     open_dense(tensor, first);
-    put(bits.data(), 2 * std::size_t{len});
-    last_ = first + (len - 1);
-    count_ = len;
-    run_elements_ += len;
-    run_ = 0;
+    put_dense(first, std::span(bits).first(len));
   }
 
   // A dense group from `first`, its values appended by the caller (last and count patched when
