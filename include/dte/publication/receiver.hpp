@@ -62,12 +62,13 @@ namespace detail {
 // written twice; a full publication carries values), each tensor entry routed into the
 // receiver's staged writes by route(tensor, index, bits, n) as its chunk decodes. Nothing for a
 // re-delivery of the version held (rep says current); rep's base and bytes are filled either
-// way. The version chain and the coverage of a full publication are the receiver core's
-// (receive/core.hpp).
-template <class Route>
+// way. Each entry is decoded into room(tensor, n) (storage::visit_chunk_into). The version chain
+// and the coverage of a full publication are the receiver core's (receive/core.hpp).
+template <class Room, class Route>
 std::optional<storage::Manifest> stage(const layout::HfModel& hf, std::span<const std::byte> bytes,
                                        const receive::Core& core, storage::ChunkScratch& scratch,
-                                       receive::StagedWrites& w, ApplyReport& rep, Route&& route) {
+                                       receive::StagedWrites& w, ApplyReport& rep, Room&& room,
+                                       Route&& route) {
   View v = decode(hf, bytes, "publication");
   const storage::Manifest& m = v.manifest;
   rep.base = m.base;
@@ -84,10 +85,10 @@ std::optional<storage::Manifest> stage(const layout::HfModel& hf, std::span<cons
   std::vector<std::int64_t> last(static_cast<std::size_t>(hf.size()), -1);
   for (std::size_t k = 0; k < v.chunks.size(); ++k) {
     const storage::ChunkHeader expect{m.version, m.base, static_cast<std::uint32_t>(k), 0};
-    (void)storage::visit_chunk(
+    (void)storage::visit_chunk_into(
         hf, v.chunks[k],
         "publication v" + std::to_string(m.version) + " chunk " + std::to_string(k), &expect,
-        nullptr, scratch,
+        nullptr, scratch, room,
         [&](const storage::Chunk& c, std::int64_t t, std::span<const std::uint32_t> index,
             std::span<const std::uint16_t> bits) {
           if (m.anchor() && c.encoding != storage::Encoding::value) {
@@ -155,10 +156,17 @@ class HfReceiver {
     const auto t0 = std::chrono::steady_clock::now();
     ApplyReport rep;
     receive::StagedWrites& w = staged_;
-    const std::optional<storage::Manifest> m =
-        detail::stage(hf_, bytes, core_, scratch_, w, rep,
-                      [&](std::int64_t t, const std::uint32_t* index, const std::uint16_t* bits,
-                          std::size_t n) { receive::route_hf(hf_, t, index, bits, n, w); });
+    // (each entry decoded straight into the staged writes: the HF tensors are the receiver's)
+    const std::optional<storage::Manifest> m = detail::stage(
+        hf_, bytes, core_, scratch_, w, rep,
+        [&](std::int64_t, std::size_t n) {
+          const receive::StagedWrites::Room r = w.room(n);
+          return std::pair{r.index, r.bits};
+        },
+        [&](std::int64_t t, const std::uint32_t*, const std::uint16_t*, std::size_t n) {
+          const auto id = static_cast<std::uint32_t>(t);
+          w.push_decoded(id, id, n, hf_[t].base);
+        });
     if (!m) return rep;
     core_.check(w);
     // The digest the tensors will hold, from the values the writes overwrite, must be the
@@ -210,10 +218,11 @@ class ShardReceiver {
                                             nullptr);
     out[static_cast<std::size_t>(ts_)] = &w;
     receive::Router router(layout_, out);
-    const std::optional<storage::Manifest> m =
-        detail::stage(hf_, bytes, receiver_.core(), scratch_, w, rep,
-                      [&](std::int64_t t, const std::uint32_t* index, const std::uint16_t* bits,
-                          std::size_t n) { router.route(t, index, bits, n); });
+    const std::optional<storage::Manifest> m = detail::stage(
+        hf_, bytes, receiver_.core(), scratch_, w, rep, storage::detail::ScratchRoom{&scratch_},
+        [&](std::int64_t t, const std::uint32_t* index, const std::uint16_t* bits, std::size_t n) {
+          router.route(t, index, bits, n);
+        });
     if (!m) return rep;
     rep.outcome = receiver_.apply(w);
     rep.written = w.size();

@@ -25,21 +25,9 @@
 
 namespace dte::receive {
 
-// Runs of consecutive indices at least this long become dense pieces (no index per write).
-inline constexpr std::size_t min_dense_run = 8;
-
-// How many of index[k..n) continue index[k] one by one (at least 1).
-inline std::size_t consecutive(const std::uint32_t* index, std::size_t k, std::size_t n) noexcept {
-  std::size_t j = k + 1;
-  while (j < n && index[j] == index[j - 1] + 1)
-    ++j;
-  return j - k;
-}
-
 // Writes at index[k] (strictly increasing; index == nullptr: 0, 1, 2, ...) with bits[k], k < n,
-// into pieces of `out`: runs of at least min_dense_run consecutive indices as dense pieces, the
-// stretches between them as sparse ones. Receiver index = index + shift; canonical global index =
-// index + global_shift.
+// copied into pieces of `out`, cut by cut_runs. Receiver index = index + shift; canonical global
+// index = index + global_shift.
 inline void push_writes(StagedWrites& out, std::uint32_t tensor, std::uint32_t canonical,
                         const std::uint32_t* index, std::int64_t first, std::int64_t shift,
                         std::int64_t global_shift, const std::uint16_t* bits, std::size_t n) {
@@ -48,24 +36,15 @@ inline void push_writes(StagedWrites& out, std::uint32_t tensor, std::uint32_t c
                  bits, n);
     return;
   }
-  std::size_t sparse = 0;  // the stretch [sparse, k) not yet pushed
-  // (the indices increase strictly: min_dense_run of them from k are consecutive exactly when
-  // the last is min_dense_run - 1 above the first, one comparison per position)
-  for (std::size_t k = 0; n - k >= min_dense_run;) {
-    if (index[k + min_dense_run - 1] - index[k] != min_dense_run - 1) {
-      ++k;
-      continue;
-    }
-    const std::size_t run = consecutive(index, k, n);
-    out.push_sparse(tensor, canonical, index + sparse, shift, global_shift, bits + sparse,
-                    k - sparse);
-    out.push_run(tensor, canonical, static_cast<std::uint32_t>(index[k] + shift),
-                 index[k] + global_shift, bits + k, run);
-    k += run;
-    sparse = k;
-  }
-  out.push_sparse(tensor, canonical, index + sparse, shift, global_shift, bits + sparse,
-                  n - sparse);
+  cut_runs(
+      index, n,
+      [&](std::size_t k, std::size_t end) {
+        out.push_sparse(tensor, canonical, index + k, shift, global_shift, bits + k, end - k);
+      },
+      [&](std::size_t k, std::size_t end) {
+        out.push_run(tensor, canonical, static_cast<std::uint32_t>(index[k] + shift),
+                     index[k] + global_shift, bits + k, end - k);
+      });
 }
 
 // Writes of HF tensor `tensor` at index[k] (index == nullptr: 0, 1, 2, ...) with bits[k], k < n,

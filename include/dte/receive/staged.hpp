@@ -14,6 +14,10 @@
 // Per write its 16-bit value, or for the diff encoding its code against the value held
 // (storage/value_code.hpp). Memory is O(written): nothing model-sized beyond what a full
 // publication writes.
+//
+// Writes arrive copied (push, push_sparse, push_run) or decoded in place: a decoder asks for
+// room(n), writes n indices and values there, and push_decoded cuts them into pieces where they
+// lie (the chunk decoder into HF tensors: no copy between the decode and the commit).
 #pragma once
 
 #include <bit>
@@ -60,6 +64,32 @@ struct UninitAllocator : std::allocator<T> {
 template <class T>
 using Column = std::vector<T, UninitAllocator<T>>;
 
+// Runs of consecutive indices at least this long become dense pieces (no index per write).
+inline constexpr std::size_t min_dense_run = 8;
+
+// The pieces n writes at strictly increasing index[0, n) are cut into: runs of at least
+// min_dense_run consecutive indices dense(k, end), the stretches between them sparse(k, end)
+// (called for empty stretches too), in order.
+template <class Sparse, class Dense>
+void cut_runs(const std::uint32_t* index, std::size_t n, Sparse&& sparse, Dense&& dense) {
+  std::size_t from = 0;  // the stretch [from, k) not yet cut
+  // (the indices increase strictly: min_dense_run of them from k are consecutive exactly when
+  // the last is min_dense_run - 1 above the first, one comparison per position)
+  for (std::size_t k = 0; n - k >= min_dense_run;) {
+    if (index[k + min_dense_run - 1] - index[k] != min_dense_run - 1) {
+      ++k;
+      continue;
+    }
+    std::size_t end = k + min_dense_run;
+    while (end < n && index[end] == index[end - 1] + 1)
+      ++end;
+    sparse(from, k);
+    dense(k, end);
+    k = from = end;
+  }
+  sparse(from, n);
+}
+
 struct Piece {
   std::uint32_t tensor = 0;     // receiver tensor
   std::uint32_t canonical = 0;  // the canonical (HF) tensor its elements hold
@@ -96,9 +126,10 @@ struct StagedWrites {
   // mix both (storage's diff chunks beside value chunks).
   bool diff = false;
   std::vector<Piece> pieces;
-  Column<std::uint16_t> bits;   // per write
-  Column<std::uint32_t> index;  // per sparse write
-  Column<std::uint32_t> key;    // per sparse write: detail::digest_key of its element
+  Column<std::uint16_t> bits;  // per write
+  // per sparse write (and, for writes decoded in place, unread entries under dense pieces):
+  Column<std::uint32_t> index;
+  Column<std::uint32_t> key;  // beside each index: detail::digest_key of its element
 
   std::size_t external = 0;  // writes whose values are read in place (Piece::values)
 
@@ -156,6 +187,68 @@ struct StagedWrites {
     }
     append(b, n);
     pieces.back().end = bits.size();
+  }
+
+  // Where a decoder writes n indices and values (then push_decoded): the end of the columns,
+  // grown by n, uninitialized. Valid until the columns grow again.
+  struct Room {
+    std::uint32_t* index;
+    std::uint16_t* bits;
+  };
+  Room room(std::size_t n) {
+    const std::size_t at = index.size(), begin = bits.size();
+    index.resize(at + n);
+    key.resize(at + n);
+    bits.resize(begin + n);
+    return {index.data() + at, bits.data() + begin};
+  }
+
+  // The last room(n)'s n writes, filled by a decoder: receiver indices strictly increasing,
+  // holding the canonical elements of global index index + global_shift. Cut as every decoder's
+  // writes are (cut_runs), where they lie: a sparse piece reads its indices and values in place
+  // and gets its digest keys, a dense one its values (its indices stay unread).
+  void push_decoded(std::uint32_t tensor, std::uint32_t canonical, std::size_t n,
+                    std::int64_t global_shift, std::int64_t source = -1) {
+    const std::size_t at = index.size() - n, begin = bits.size() - n;
+    const std::uint32_t* idx = index.data() + at;
+    cut_runs(
+        idx, n,
+        [&](std::size_t k, std::size_t end) {
+          if (k == end) return;
+          std::uint32_t* keys = key.data() + at;
+          for (std::size_t j = k; j < end; ++j)
+            keys[j] = detail::digest_key(idx[j] + global_shift);
+          Piece* open = pieces.empty() ? nullptr : &pieces.back();
+          if (open != nullptr && !open->dense && open->tensor == tensor &&
+              open->canonical == canonical && open->source == source && open->diff == diff &&
+              open->at + open->count() == at + k && open->end == begin + k &&
+              index[at + k - 1] < idx[k]) {
+            open->end = begin + end;  // (the open piece continues where it lies)
+            return;
+          }
+          Piece p;
+          p.tensor = tensor;
+          p.canonical = canonical;
+          p.begin = begin + k;
+          p.end = begin + end;
+          p.at = at + k;
+          p.source = source;
+          p.diff = diff;
+          pieces.push_back(p);
+        },
+        [&](std::size_t k, std::size_t end) {
+          Piece p;
+          p.tensor = tensor;
+          p.canonical = canonical;
+          p.begin = begin + k;
+          p.end = begin + end;
+          p.dense = true;
+          p.first = idx[k];
+          p.global = idx[k] + global_shift;
+          p.source = source;
+          p.diff = diff;
+          pieces.push_back(p);
+        });
   }
 
   // n consecutive writes from index `first`, holding canonical elements from `global`.

@@ -42,6 +42,7 @@
 #include <cstdint>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -425,15 +426,25 @@ inline std::vector<std::byte> encode_chunk(const layout::HfModel& hf, const Chun
 // chunk with one is refused, unsupported, without it). Refuses everything the header comment
 // lists.
 //
-// visit_chunk is the one decoder: it checks the whole chunk first, then calls
+// visit_chunk is the one decoder: it checks the chunk's framing and header first, then decodes
+// and checks its tensor entries in order, calling
 // f(const Chunk& header, std::int64_t tensor, std::span<const std::uint32_t> index,
-//   std::span<const std::uint16_t> bits) per tensor entry, in order (header: the chunk without
-// its tensors), from memory in `scratch`; decode_chunk collects the entries into a Chunk.
+//   std::span<const std::uint16_t> bits) per entry (header: the chunk without its tensors), from
+// memory in `scratch`; decode_chunk collects the entries into a Chunk. visit_chunk_into decodes
+// each entry into memory the caller hands out instead: room(tensor, n) returns
+// std::pair<std::uint32_t*, std::uint16_t*>, room for n indices and n values (a receiver's
+// staged writes: nothing is copied between the decode and the commit).
 namespace detail {
-template <class F>
+template <class Room, class F>
 Chunk visit_chunk(const layout::HfModel& hf, std::span<const std::byte> bytes,
                   const std::string& source, const ChunkHeader* expect, std::uint64_t max_bytes,
-                  const ClassBase* base, bool resolve, ChunkScratch& scratch, F&& f);
+                  const ClassBase* base, bool resolve, ChunkScratch& scratch, Room&& room, F&& f);
+
+// The room of visit_chunk: the scratch's, overwritten by each entry.
+struct ScratchRoom {
+  ChunkScratch* scratch;
+  std::pair<std::uint32_t*, std::uint16_t*> operator()(std::int64_t, std::size_t n) const;
+};
 }  // namespace detail
 
 template <class F>
@@ -441,7 +452,15 @@ Chunk visit_chunk(const layout::HfModel& hf, std::span<const std::byte> bytes,
                   const std::string& source, const ChunkHeader* expect, const ClassBase* base,
                   ChunkScratch& scratch, F&& f) {
   return detail::visit_chunk(hf, bytes, source, expect, max_decoded_bytes, base, true, scratch,
-                             std::forward<F>(f));
+                             detail::ScratchRoom{&scratch}, std::forward<F>(f));
+}
+
+template <class Room, class F>
+Chunk visit_chunk_into(const layout::HfModel& hf, std::span<const std::byte> bytes,
+                       const std::string& source, const ChunkHeader* expect, const ClassBase* base,
+                       ChunkScratch& scratch, Room&& room, F&& f) {
+  return detail::visit_chunk(hf, bytes, source, expect, max_decoded_bytes, base, true, scratch,
+                             std::forward<Room>(room), std::forward<F>(f));
 }
 
 inline Chunk decode_chunk(const layout::HfModel& hf, std::span<const std::byte> bytes,
@@ -451,7 +470,7 @@ inline Chunk decode_chunk(const layout::HfModel& hf, std::span<const std::byte> 
   ChunkScratch scratch;
   std::vector<TensorDelta> tensors;
   Chunk c = detail::visit_chunk(
-      hf, bytes, source, expect, max_bytes, base, true, scratch,
+      hf, bytes, source, expect, max_bytes, base, true, scratch, detail::ScratchRoom{&scratch},
       [&](const Chunk&, std::int64_t tensor, std::span<const std::uint32_t> index,
           std::span<const std::uint16_t> bits) {
         TensorDelta t;
@@ -471,15 +490,24 @@ inline void check_chunk(const layout::HfModel& hf, std::span<const std::byte> by
                         std::uint64_t max_bytes = max_decoded_bytes) {
   ChunkScratch scratch;
   (void)detail::visit_chunk(hf, bytes, source, expect, max_bytes, nullptr, false, scratch,
+                            detail::ScratchRoom{&scratch},
                             [](const Chunk&, std::int64_t, std::span<const std::uint32_t>,
                                std::span<const std::uint16_t>) {});
 }
 
-template <class F>
+inline std::pair<std::uint32_t*, std::uint16_t*> detail::ScratchRoom::operator()(
+    std::int64_t, std::size_t n) const {
+  // (scratch buffers only grow: a reused one is not filled with zeros first)
+  if (scratch->index.size() < n) scratch->index.resize(n);
+  if (scratch->bits.size() < n) scratch->bits.resize(n);
+  return {scratch->index.data(), scratch->bits.data()};
+}
+
+template <class Room, class F>
 Chunk detail::visit_chunk(const layout::HfModel& hf, std::span<const std::byte> bytes,
                           const std::string& source, const ChunkHeader* expect,
                           std::uint64_t max_bytes, const ClassBase* base, bool resolve,
-                          ChunkScratch& scratch, F&& f) {
+                          ChunkScratch& scratch, Room&& room, F&& f) {
   const std::size_t size =
       decompress_frames(bytes, source, max_bytes, scratch.dctx(), scratch.plain);
   io::SafetensorsFile file = io::SafetensorsFile::parse(std::move(scratch.plain), size, source);
@@ -604,47 +632,44 @@ Chunk detail::visit_chunk(const layout::HfModel& hf, std::span<const std::byte> 
                          ": an index stream of a classes chunk starts with its mode, 0 "
                          "(plain) or 1 (class index)");
     }
-    // (scratch buffers only grow: a reused one is not filled with zeros first)
-    std::vector<std::uint32_t>& index = scratch.index;
-    std::span<const std::uint32_t> entries;
     const auto n_ = static_cast<std::size_t>(n);
-    if (c.index == IndexCode::classes && code[0] != 0) {
-      const ClassIndex x = get_class_index(code.subspan(1), numel, where);
-      if (x.values != n) {
-        throw format_error(where + ": the class index names " + std::to_string(x.values) +
+    const bool classes = c.index == IndexCode::classes && code[0] != 0;
+    std::optional<ClassIndex> x;
+    if (classes) {
+      x = get_class_index(code.subspan(1), numel, where);
+      if (x->values != n) {
+        throw format_error(where + ": the class index names " + std::to_string(x->values) +
                            " elements, the value planes hold " + std::to_string(n));
       }
-      if (base == nullptr && !resolve) {
-        // (check_chunk: parsed and bounded, not resolved)
-      } else if (base == nullptr) {
+      if (base == nullptr && resolve) {
         throw unsupported(source +
                           ": its indices are coded against the base version (dte.index "
                           "classes), which this reader does not hold whole; publish with the "
                           "plain index");
-      } else {
-        index = resolve_class_index(
-            x,
-            [&](std::uint64_t start, std::uint64_t count, std::uint16_t* out) {
-              base->bits(id, start, count, out);
-            },
-            where);
-        entries = index;
       }
+    }
+    const auto [index, values] = room(id, n_);
+    std::span<const std::uint32_t> entries(index, n_);
+    if (!classes) {
+      get_gaps(c.index == IndexCode::classes ? code.subspan(1) : code, n, numel, where, index);
+    } else if (base == nullptr) {
+      entries = {};  // (check_chunk: parsed and bounded, not resolved)
     } else {
-      if (index.size() < n_) index.resize(n_);
-      get_gaps(c.index == IndexCode::classes ? code.subspan(1) : code, n, numel, where,
-               index.data());
-      entries = std::span<const std::uint32_t>(index.data(), n_);
+      const std::vector<std::uint32_t> resolved = resolve_class_index(
+          *x,
+          [&](std::uint64_t start, std::uint64_t count, std::uint16_t* out) {
+            base->bits(id, start, count, out);
+          },
+          where);
+      std::copy(resolved.begin(), resolved.end(), index);
     }
     const auto high = file.bytes(hi);
     const auto low = file.bytes(lo);
-    std::vector<std::uint16_t>& values = scratch.bits;
-    if (values.size() < n_) values.resize(n_);
     for (std::size_t k = 0; k < n_; ++k) {
       values[k] = static_cast<std::uint16_t>((std::to_integer<std::uint16_t>(high[k]) << 8) |
                                              std::to_integer<std::uint16_t>(low[k]));
     }
-    f(static_cast<const Chunk&>(c), id, entries, std::span<const std::uint16_t>(values.data(), n_));
+    f(static_cast<const Chunk&>(c), id, entries, std::span<const std::uint16_t>(values, n_));
   }
   return c;
 }
