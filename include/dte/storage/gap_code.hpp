@@ -7,6 +7,7 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -58,27 +59,36 @@ void take_gaps(std::span<const std::uint8_t> in, std::size_t& at, std::uint64_t 
   };
   std::uint64_t next = 0;
   for (std::uint64_t k = 0; k < count;) {
-    // Eight one-byte gaps at a time while no escape (255) is among them and the eighth value
-    // stays below the limit (the values increase: then all do); otherwise one value at a time,
-    // which also finds the fault. (Above 2 % changed nearly every gap is one byte.)
-    while (count - k >= 8 && in.size() - at >= 8) {
+    // Eight gap bytes at a time, with no branch on where escapes lie: the one-byte gaps before
+    // the first escape (255) among them, then that escape's two-byte gap when there is one. A
+    // four-byte gap (255, 0xFFFF) or a value past the limit leaves this loop: the values
+    // increase, so the last one taken is checked for all.
+    while (count - k >= 9 && in.size() - at >= 16) {
       std::uint64_t w = 0;
       std::memcpy(&w, in.data() + at, 8);
       const std::uint64_t x = ~w;  // a zero byte where w has an escape
-      if (((x - 0x0101010101010101ull) & ~x & 0x8080808080808080ull) != 0) break;
-      std::uint64_t v = next;
-      for (int j = 0; j < 8; ++j) {
-        v += (w >> (8 * j)) & 0xFF;
+      // (the lowest flag marks the first escape exactly; flags above it may be false)
+      const std::uint64_t flags = (x - 0x0101010101010101ull) & ~x & 0x8080808080808080ull;
+      const auto take = static_cast<std::uint64_t>(std::countr_zero(flags) / 8);  // 0..8
+      std::uint64_t after[9];  // after[j]: the value the j-th gap continues from
+      after[0] = next;
+      for (int j = 0; j < 8; ++j) {  // (all eight written: o has room for nine)
+        const std::uint64_t v = after[j] + ((w >> (8 * j)) & 0xFF);
         o[k + static_cast<std::uint64_t>(j)] = static_cast<T>(v);
-        ++v;
+        after[j + 1] = v + 1;
       }
-      if (v - 1 >= limit) break;  // (rewritten one at a time below, up to the fault)
-      next = v;
-      at += 8;
-      k += 8;
+      std::uint16_t wide = 0;  // the escape's gap (read past the group when there is none)
+      std::memcpy(&wide, in.data() + at + take + 1, 2);
+      const std::uint64_t escaped = take < 8 ? 1 : 0;
+      const std::uint64_t e = after[take] + wide;
+      o[k + take] = static_cast<T>(e);  // (o[k + 8]: overwritten later when there is no escape)
+      const std::uint64_t last = escaped != 0 ? e : after[8] - 1;
+      if (((escaped != 0) & (wide == 65535)) | (last >= limit)) break;  // (then one at a time)
+      next = last + 1;
+      k += take + escaped;
+      at += take + 3 * escaped;
     }
-    // (then the next eight one at a time: at low densities escapes are common, and a group
-    // that failed is not tried again at every position)
+    // (then the next eight one at a time: the last few, a four-byte gap, or the fault)
     for (const std::uint64_t end = std::min<std::uint64_t>(count, k + 8); k < end; ++k) {
       if (at >= in.size()) fail(GapFault::ends, k, 0);
       std::uint64_t gap = in[at++];
