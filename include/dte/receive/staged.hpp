@@ -211,43 +211,19 @@ struct StagedWrites {
                     std::int64_t global_shift, std::int64_t source = -1) {
     const std::size_t at = index.size() - n, begin = bits.size() - n;
     const std::uint32_t* idx = index.data() + at;
+    std::uint32_t* keys = key.data() + at;
     cut_runs(
         idx, n,
         [&](std::size_t k, std::size_t end) {
           if (k == end) return;
-          std::uint32_t* keys = key.data() + at;
           for (std::size_t j = k; j < end; ++j)
             keys[j] = detail::digest_key(idx[j] + global_shift);
-          Piece* open = pieces.empty() ? nullptr : &pieces.back();
-          if (open != nullptr && !open->dense && open->tensor == tensor &&
-              open->canonical == canonical && open->source == source && open->diff == diff &&
-              open->at + open->count() == at + k && open->end == begin + k &&
-              index[at + k - 1] < idx[k]) {
-            open->end = begin + end;  // (the open piece continues where it lies)
-            return;
-          }
-          Piece p;
-          p.tensor = tensor;
-          p.canonical = canonical;
-          p.begin = begin + k;
-          p.end = begin + end;
-          p.at = at + k;
-          p.source = source;
-          p.diff = diff;
-          pieces.push_back(p);
+          open_sparse(tensor, canonical, idx[k], source, at + k, begin + k);
+          pieces.back().end = begin + end;
         },
         [&](std::size_t k, std::size_t end) {
-          Piece p;
-          p.tensor = tensor;
-          p.canonical = canonical;
-          p.begin = begin + k;
-          p.end = begin + end;
-          p.dense = true;
-          p.first = idx[k];
-          p.global = idx[k] + global_shift;
-          p.source = source;
-          p.diff = diff;
-          pieces.push_back(p);
+          open_dense(tensor, canonical, idx[k], idx[k] + global_shift, source, begin + k).end =
+              begin + end;
         });
   }
 
@@ -299,32 +275,45 @@ struct StagedWrites {
     std::memcpy(bits.data() + at, b, n * sizeof(std::uint16_t));
   }
 
-  // A new sparse piece unless the open one continues with this write (same tensors, sender and
-  // encoding, a larger index).
+  // A new sparse piece whose writes lie from index[at] and bits[begin] (by default: appended
+  // next), unless the open one continues with this write (same tensors, sender and encoding, its
+  // columns ending there, a larger index).
   void open_sparse(std::uint32_t tensor, std::uint32_t canonical, std::uint32_t i,
                    std::int64_t source) {
-    if (!pieces.empty() && !pieces.back().dense && pieces.back().tensor == tensor &&
-        pieces.back().canonical == canonical && pieces.back().source == source &&
-        pieces.back().diff == diff && index.back() < i) {
-      return;
+    open_sparse(tensor, canonical, i, source, index.size(), bits.size());
+  }
+  void open_sparse(std::uint32_t tensor, std::uint32_t canonical, std::uint32_t i,
+                   std::int64_t source, std::size_t at, std::size_t begin) {
+    if (!pieces.empty()) {
+      const Piece& open = pieces.back();
+      if (!open.dense && open.tensor == tensor && open.canonical == canonical &&
+          open.source == source && open.diff == diff && open.at + open.count() == at &&
+          open.end == begin && index[at - 1] < i) {
+        return;
+      }
     }
     Piece p;
     p.tensor = tensor;
     p.canonical = canonical;
-    p.begin = p.end = bits.size();
-    p.at = index.size();
+    p.begin = p.end = begin;
+    p.at = at;
     p.source = source;
     p.diff = diff;
     pieces.push_back(p);
   }
 
-  // A new dense piece from index `first`, holding canonical elements from `global`, empty.
+  // A new dense piece from index `first`, holding canonical elements from `global`, empty; its
+  // values from bits[begin] (by default: appended next).
   Piece& open_dense(std::uint32_t tensor, std::uint32_t canonical, std::uint32_t first,
                     std::int64_t global, std::int64_t source) {
+    return open_dense(tensor, canonical, first, global, source, bits.size());
+  }
+  Piece& open_dense(std::uint32_t tensor, std::uint32_t canonical, std::uint32_t first,
+                    std::int64_t global, std::int64_t source, std::size_t begin) {
     Piece p;
     p.tensor = tensor;
     p.canonical = canonical;
-    p.begin = p.end = bits.size();
+    p.begin = p.end = begin;
     p.dense = true;
     p.first = first;
     p.global = global;
