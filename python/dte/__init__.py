@@ -423,6 +423,7 @@ class TorchReceiver:
             if t.device.type != "cpu" or not t.is_contiguous():
                 raise InvalidArgument(f"TorchReceiver: tensor {n} must be a contiguous CPU tensor")
         self._ordered = ordered
+        self._names = names
         self._ptrs = [t.data_ptr() for t in ordered]
         numel = [t.numel() for t in ordered]
         if self._topology is None:
@@ -456,7 +457,10 @@ class TorchReceiver:
         return self._native.verify() == ""
 
     def apply(self, message: bytes) -> dict:
-        """Applies one publication; returns what it did; raises a dte.Error subclass on refusal."""
+        """Applies one publication; raises a dte.Error subclass on refusal (nothing written).
+        Returns what it did: version, base (None: full), full, changed (elements written),
+        touched (the names of the tensors written), bytes, seconds, outcome ('committed', or
+        'current' for a re-delivery of the version held)."""
         if not isinstance(message, (bytes, bytearray)):
             raise InvalidArgument(f"apply() takes the bytes a publisher returned, not {type(message).__name__}")
         if self._native is None:
@@ -464,7 +468,9 @@ class TorchReceiver:
         for t, ptr in zip(self._ordered, self._ptrs):
             if t.data_ptr() != ptr:
                 raise InvalidArgument("a receiver tensor was re-allocated since the TorchReceiver was made; make a new one")
-        return self._native.apply(bytes(message) if isinstance(message, bytearray) else message)
+        report = self._native.apply(bytes(message) if isinstance(message, bytearray) else message)
+        report["touched"] = [self._names[t] for t in report["touched"]]
+        return report
 
 
 def replica_matches(receivers, digest: Sequence[int], config=None, infer=None) -> bool:
@@ -505,10 +511,15 @@ class StorageReader:
         self._rx = receiver
         self._source = _native.StorageSource(os.fspath(path), receiver.config, name)
 
-    def poll(self) -> dict:
+    def poll(self, reports: Optional[list] = None) -> dict:
+        """Applies every version after the one held, up to LATEST. reports: a list that receives
+        each apply's report as it commits (kept when a later version is refused)."""
         before = self._rx.version
         applied = []
         for msg in self._source.since(before):
-            applied.append(self._rx.apply(msg)["version"])
+            report = self._rx.apply(msg)
+            if reports is not None:
+                reports.append(report)
+            applied.append(report["version"])
             self._source.reached(self._rx.version)
         return {"from": before, "to": self._rx.version, "applied": applied}

@@ -110,6 +110,7 @@ nb::dict report_dict(const dte::publication::ApplyReport& r) {
   d["base"] = r.full() ? nb::none() : nb::cast(r.base);
   d["full"] = r.full();
   d["changed"] = r.written;
+  d["touched"] = nb::cast(r.touched);  // receiver tensor indices (the Python side names them)
   d["bytes"] = r.bytes;
   d["seconds"] = r.seconds;
   return d;

@@ -49,6 +49,7 @@ struct ApplyReport {
   Version version = no_version;                    // held after
   Version base = no_version;                       // the message's (no_version: full)
   std::uint64_t written = 0;                       // element writes
+  std::vector<std::uint32_t> touched;              // the receiver tensors written, ascending
   std::uint64_t bytes = 0;                         // the message
   double seconds = 0;
   [[nodiscard]] bool full() const noexcept { return base == no_version; }
@@ -173,6 +174,7 @@ class HfReceiver {
     // trainer's (the manifest's) before anything is written.
     core_.commit(w, m->digest);
     rep.written = w.size();
+    rep.touched = w.tensors();
     detail::release_if_full(scratch_, w);
     rep.version = core_.version();
     rep.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -226,6 +228,7 @@ class ShardReceiver {
     if (!m) return rep;
     rep.outcome = receiver_.apply(w);
     rep.written = w.size();
+    if (rep.committed()) rep.touched = w.tensors();
     detail::release_if_full(scratch_, w);
     rep.version = receiver_.version();
     rep.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

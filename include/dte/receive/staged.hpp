@@ -20,6 +20,7 @@
 // lie (the chunk decoder into HF tensors: no copy between the decode and the commit).
 #pragma once
 
+#include <algorithm>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
@@ -135,6 +136,15 @@ struct StagedWrites {
 
   [[nodiscard]] std::size_t size() const noexcept { return bits.size() + external; }
   [[nodiscard]] bool full() const noexcept { return kind == MessageKind::full; }
+  // The receiver tensors these writes touch, ascending, each once.
+  [[nodiscard]] std::vector<std::uint32_t> tensors() const {
+    std::vector<std::uint32_t> out;
+    for (const Piece& p : pieces)
+      if (p.count() > 0) out.push_back(p.tensor);
+    std::sort(out.begin(), out.end());
+    out.erase(std::unique(out.begin(), out.end()), out.end());
+    return out;
+  }
   [[nodiscard]] bool any_diff() const noexcept {
     for (const Piece& p : pieces) {
       if (p.diff) return true;

@@ -1,0 +1,157 @@
+# SPDX-License-Identifier: Apache-2.0
+"""dte.vllm: vLLM kept in sync by dte publications, through vLLM's weight-transfer API.
+
+vLLM side (nothing to import): installing dte registers the backend "dte" in every vLLM
+process through the `vllm.general_plugins` entry point (dte.vllm:register).
+
+    llm = LLM(model=DIR, dtype="bfloat16", weight_transfer_config={"backend": "dte"})
+    dte.vllm.init(llm)                      # collective_rpc("init_weight_transfer_engine")
+    msg = pub.step()                        # a dte.TorchPublisher in the trainer
+    dte.vllm.update(llm, publication=msg)   # start -> update -> finish, then the prefix cache
+    dte.vllm.update(llm, storage=root)      # or: every worker follows a storage root to LATEST
+
+A server started with `vllm serve DIR --weight-transfer-config '{"backend": "dte"}'` (with
+VLLM_SERVER_DEV_MODE=1 for its weight-update routes) is driven the same way by
+dte.vllm.update_server(url, ...). docs/vllm.md has the whole story.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import re
+import urllib.request
+from typing import List, Optional
+
+BACKEND = "dte"
+
+__all__ = ["BACKEND", "register", "init", "update", "reports", "update_server"]
+
+
+def register() -> None:
+    """The vllm.general_plugins entry point: registers the backend "dte" (lazily: the engine
+    module is imported only when a worker builds it)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    try:
+        WeightTransferEngineFactory.register_engine(
+            BACKEND, "dte.vllm.engine", "DteWeightTransferEngine")
+    except ValueError:
+        pass  # registered already (plugins load once per process, but a user may call this too)
+
+
+def _update_info(publication, storage) -> dict:
+    if (publication is None) == (storage is None):
+        raise ValueError("dte.vllm: give exactly one of publication= (bytes) and storage= (a root)")
+    if publication is not None:
+        if not isinstance(publication, (bytes, bytearray)):
+            raise TypeError(f"publication must be the bytes a TorchPublisher returned, not {type(publication).__name__}")
+        return {"publication": bytes(publication)}
+    return {"storage": str(storage)}
+
+
+def init(llm, **init_info) -> None:
+    """Binds every worker's dte receiver to its parameters (once, after LLM(...)). init_info:
+    config, tp, rank, reader (dte.vllm.engine.DteInitInfo); by default vLLM's own."""
+    llm.init_weight_transfer_engine({"init_info": dict(init_info)})
+
+
+def reports(llm) -> List[Optional[dict]]:
+    """Per worker, what its last update did: version, applied, full, changed, bytes, seconds
+    (apply_seconds + repack_seconds), repacked, rank."""
+    # The worker's engine object answers (DteWeightTransferEngine.__call__): a method by name,
+    # so it works across processes without pickled callables.
+    return llm.collective_rpc("weight_transfer_engine", args=("report",))
+
+
+def update(llm, publication: Optional[bytes] = None, storage=None) -> List[Optional[dict]]:
+    """vLLM's start -> update -> finish for one publication (or a storage root's chain), then
+    the prefix cache reset (its KV blocks were computed with the previous weights). Returns the
+    workers' reports. A refusal raises the worker's dte error (dte.FormatError, ProtocolError,
+    ...) with its reason; every worker keeps the version it held and its session is closed."""
+    info = _update_info(publication, storage)
+    llm.start_weight_update()
+    try:
+        llm.update_weights({"update_info": info})
+    except Exception as e:
+        error = e
+    else:
+        error = None
+        llm.finish_weight_update()
+    if error is not None:
+        # A refusal raises on one worker (the last: DteWeightTransferEngine._raises), which ends
+        # its session; the others recorded it and still hold theirs open. finish ends them, and
+        # raises on the worker whose session ended already (vLLM's own check): expected here.
+        try:
+            llm.finish_weight_update()
+        except Exception:
+            pass
+    llm.reset_prefix_cache()
+    got = reports(llm)
+    return _checked(got, error)
+
+
+def _checked(got: List[Optional[dict]], error: Optional[Exception]) -> List[Optional[dict]]:
+    """The workers' reports, or the refusal they recorded raised as its dte class."""
+    import dte
+
+    refusals = [r["refused"] for r in got if r and r.get("refused")]
+    versions = sorted({r["version"] for r in got if r}, key=lambda v: -1 if v is None else v)
+    if (refusals or error is not None) and len(versions) > 1:
+        raise dte.ProtocolError(
+            f"dte.vllm: the workers hold different versions {versions} after a refused update "
+            f"({refusals[0] if refusals else error}); send a full publication (pub.publish_full())")
+    if refusals:
+        raise _as_dte_error(RuntimeError(refusals[0]))
+    if error is not None:
+        raise error
+    return got
+
+
+_NAMED = re.compile(r"dte\.(\w+): (.*?)(?:', please check the stack trace.*)?$", re.S)
+
+
+def _as_dte_error(e: Exception) -> Exception:
+    """The worker's dte error, whatever vLLM wrapped it in on its way from another process
+    (the engine names the class in the message: dte.FormatError: ...)."""
+    import dte
+
+    m = _NAMED.search(str(e))
+    cls = getattr(dte, m.group(1), None) if m else None
+    if m is None or not (isinstance(cls, type) and issubclass(cls, dte.Error)) or isinstance(e, cls):
+        return e
+    return cls(m.group(2))
+
+
+def _post(url: str, route: str, body: dict, timeout: float) -> dict:
+    req = urllib.request.Request(
+        url.rstrip("/") + route, data=json.dumps(body).encode(), method="POST",
+        headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            text = r.read().decode() or "{}"
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace")
+        raise RuntimeError(f"dte.vllm: {route} answered {e.code}: {detail}") from None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return {"text": text}
+
+
+def update_server(url: str, publication: Optional[bytes] = None, storage=None,
+                  init_info: Optional[dict] = None, timeout: float = 600.0) -> None:
+    """The same sequence over a vLLM server's HTTP routes (VLLM_SERVER_DEV_MODE=1):
+    /init_weight_transfer_engine (when init_info is given: the first time), /start_weight_update,
+    /update_weights ({"publication": base64} or {"storage": root}), /finish_weight_update,
+    /reset_prefix_cache."""
+    info = _update_info(publication, storage)
+    if "publication" in info:
+        info["publication"] = base64.b64encode(info["publication"]).decode()
+    if init_info is not None:
+        _post(url, "/init_weight_transfer_engine", {"init_info": init_info}, timeout)
+    _post(url, "/start_weight_update", {}, timeout)
+    try:
+        _post(url, "/update_weights", {"update_info": info}, timeout)
+    finally:
+        _post(url, "/reset_prefix_cache", {}, timeout)
+    _post(url, "/finish_weight_update", {}, timeout)
