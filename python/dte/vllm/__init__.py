@@ -24,7 +24,7 @@ from typing import List, Optional
 
 BACKEND = "dte"
 
-__all__ = ["BACKEND", "register", "init", "update", "reports", "update_server"]
+__all__ = ["BACKEND", "register", "init", "update", "reports", "update_server", "server_reports"]
 
 
 def register() -> None:
@@ -139,11 +139,12 @@ def _post(url: str, route: str, body: dict, timeout: float) -> dict:
 
 
 def update_server(url: str, publication: Optional[bytes] = None, storage=None,
-                  init_info: Optional[dict] = None, timeout: float = 600.0) -> None:
-    """The same sequence over a vLLM server's HTTP routes (VLLM_SERVER_DEV_MODE=1):
-    /init_weight_transfer_engine (when init_info is given: the first time), /start_weight_update,
-    /update_weights ({"publication": base64} or {"storage": root}), /finish_weight_update,
-    /reset_prefix_cache."""
+                  init_info: Optional[dict] = None, timeout: float = 600.0) -> List[Optional[dict]]:
+    """dte.vllm.update over a vLLM server's HTTP routes (`vllm serve` with
+    VLLM_SERVER_DEV_MODE=1): /init_weight_transfer_engine (when init_info is given: once),
+    /start_weight_update, /update_weights ({"publication": base64} or {"storage": root}),
+    /finish_weight_update, /reset_prefix_cache, then the workers' reports through
+    /collective_rpc. Returns them; a refusal raises as in update()."""
     info = _update_info(publication, storage)
     if "publication" in info:
         info["publication"] = base64.b64encode(info["publication"]).decode()
@@ -152,6 +153,21 @@ def update_server(url: str, publication: Optional[bytes] = None, storage=None,
     _post(url, "/start_weight_update", {}, timeout)
     try:
         _post(url, "/update_weights", {"update_info": info}, timeout)
-    finally:
-        _post(url, "/reset_prefix_cache", {}, timeout)
-    _post(url, "/finish_weight_update", {}, timeout)
+    except RuntimeError as e:
+        error = e
+        try:
+            _post(url, "/finish_weight_update", {}, timeout)  # as in update()
+        except RuntimeError:
+            pass
+    else:
+        error = None
+        _post(url, "/finish_weight_update", {}, timeout)
+    _post(url, "/reset_prefix_cache", {}, timeout)
+    return _checked(server_reports(url, timeout), error)
+
+
+def server_reports(url: str, timeout: float = 60.0) -> List[Optional[dict]]:
+    """reports() of a server (its /collective_rpc route)."""
+    got = _post(url, "/collective_rpc", {"method": "weight_transfer_engine", "args": ["report"]},
+                timeout)
+    return got.get("results", [])

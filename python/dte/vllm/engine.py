@@ -124,6 +124,7 @@ class DteWeightTransferEngine(WeightTransferEngine[DteInitInfo, DteUpdateInfo]):
         self._readers: Dict[str, dte.StorageReader] = {}
         self._reader_name = ""
         self.last: Optional[dict] = None
+        self.live_bytes = 0  # the linear weights kept live beside vLLM's packed copies (CPU)
 
     # -- init --
     def init_transfer_engine(self, init_info: DteInitInfo) -> None:
@@ -142,6 +143,7 @@ class DteWeightTransferEngine(WeightTransferEngine[DteInitInfo, DteUpdateInfo]):
         params = dict(self.model.named_parameters())
         tensors: Dict[str, torch.Tensor] = {}
         packed: Dict[str, torch.nn.Module] = {}
+        live_bytes = 0
         for name, shape in shapes.items():
             p = params.get(name)
             if p is None:
@@ -156,6 +158,7 @@ class DteWeightTransferEngine(WeightTransferEngine[DteInitInfo, DteUpdateInfo]):
                 module.weight = _live_parameter(
                     module, torch.zeros(shape, dtype=torch.bfloat16, device=p.device))
                 p = module.weight
+                live_bytes += p.numel() * p.element_size()
             if tuple(p.shape) != tuple(shape) or p.dtype != torch.bfloat16 or not p.is_contiguous():
                 raise dte.UnsupportedError(
                     f"dte vLLM backend: {name} is {p.dtype} {tuple(p.shape)} in the served model; dte "
@@ -166,6 +169,7 @@ class DteWeightTransferEngine(WeightTransferEngine[DteInitInfo, DteUpdateInfo]):
         self.receiver = dte.TorchReceiver(tensors, config=config, infer=f"tp={tp}", rank=rank)
         self.rank = rank
         self._packed = packed
+        self.live_bytes = live_bytes
         self._readers = {}
         self._reader_name = init_info.reader if init_info.reader is not None else f"vllm-tp{rank}"
 
@@ -260,9 +264,12 @@ class DteWeightTransferEngine(WeightTransferEngine[DteInitInfo, DteUpdateInfo]):
     def __call__(self, what: str = "report"):
         """Reached through collective_rpc("weight_transfer_engine", args=(what,)) (dte.vllm.reports):
         'report': what the last update did on this worker; 'digest': per HF tensor, the digest
-        of this worker's part (dte.replica_matches(..., config=, infer=))."""
+        of this worker's part (dte.replica_matches(..., config=, infer=)); 'memory': the bytes of
+        the weights kept live beside vLLM's packed copies, and the packed layers re-packed."""
         if what == "report":
             return self.last
+        if what == "memory":
+            return {"live_bytes": self.live_bytes, "packed_layers": len(self._packed)}
         if what == "digest":
             return list(self.receiver.digest()) if self.receiver is not None else []
         raise ValueError(f"dte vLLM backend: unknown query {what!r} ('report' or 'digest')")

@@ -1,0 +1,163 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What the vLLM tests share: a tiny Qwen3 (transformers' own Qwen3ForCausalLM, FP32, the
+trainer) whose vocabulary vLLM pads (1000 -> 1024), its checkpoints (config.json + BF16
+safetensors, written here: no hub), a deterministic AdamW training loop, the tensors vLLM's TP
+rank should hold (sliced here, independently of dte's layout code), and greedy generation."""
+import hashlib
+import json
+import os
+
+import torch
+import transformers
+
+CONFIG = dict(
+    architectures=["Qwen3ForCausalLM"],
+    vocab_size=1000,  # vLLM pads it to 1024 (a multiple of 64): 24 padding rows in embed and head
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+)
+# (the last is longer than a KV block: the prefix cache holds its blocks from one version to the next)
+PROMPTS = [[1, 2, 3, 4], [17, 400, 3, 999, 512], [7] * 9, [250, 251, 252], list(range(100, 900, 20))]
+# Small CPU engines: eager, no tokenizer (token ids in and out), a small KV cache in blocks of
+# 32 tokens (the CPU default, 128, would leave the prefix cache unused by these prompts).
+ENGINE = dict(dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True, max_model_len=64,
+              kv_cache_memory_bytes=64 << 20, seed=0, block_size=32)
+
+
+def qwen3_config(**overrides):
+    return transformers.Qwen3Config(**{**CONFIG, **overrides})
+
+
+def make_trainer(seed=0, **overrides):
+    torch.manual_seed(seed)
+    return transformers.Qwen3ForCausalLM(qwen3_config(**overrides)).float()
+
+
+def adamw(model, lr=1e-5):
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def train_step(model, optimizer, step):
+    """One deterministic language-model step on a noisy repeating pattern."""
+    g = torch.Generator().manual_seed(1000 + step)
+    V = CONFIG["vocab_size"]
+    start = torch.randint(0, V, (4, 1), generator=g)
+    ramp = (start + torch.arange(16) * 7) % V
+    noise = torch.randint(0, V, (4, 16), generator=g)
+    x = torch.where(torch.rand(4, 16, generator=g) < 0.8, ramp, noise)
+    model(input_ids=x, labels=x).loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def write_checkpoint(model, path):
+    """config.json + model.safetensors holding the model's BF16 weights."""
+    bf16 = transformers.Qwen3ForCausalLM(model.config).to(torch.bfloat16)
+    with torch.no_grad():
+        for (n, p), (_, q) in zip(bf16.named_parameters(), model.named_parameters()):
+            p.copy_(q.detach().to(torch.bfloat16))
+    bf16.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def vllm_rank_tensors(model, tp, rank):
+    """TP rank `rank`'s parameters as vLLM's Qwen3 holds them, from the trainer's BF16 weights:
+    QKVParallelLinear (this rank's q heads, then k, then v), MergedColumnParallelLinear (gate
+    rows, then up), RowParallelLinear (o, down: columns), ParallelLMHead and
+    VocabParallelEmbedding (the vocabulary padded with zero rows to a multiple of 64, then
+    split by rows), norms replicated."""
+    c = model.config
+    w = {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
+
+    def rows(x):
+        n = x.shape[0] // tp
+        return x[rank * n:(rank + 1) * n]
+
+    def cols(x):
+        return rows(x.t()).t().contiguous()
+
+    def vocab(x):
+        padded = -(-x.shape[0] // 64) * 64
+        full = torch.zeros(padded, x.shape[1], dtype=x.dtype)
+        full[:x.shape[0]] = x
+        return rows(full)
+
+    out = {"model.embed_tokens.weight": vocab(w["model.embed_tokens.weight"]),
+           "lm_head.weight": vocab(w["lm_head.weight"]),
+           "model.norm.weight": w["model.norm.weight"]}
+    for L in range(c.num_hidden_layers):
+        a = f"model.layers.{L}."
+        out[a + "self_attn.qkv_proj.weight"] = torch.cat(
+            [rows(w[a + f"self_attn.{x}_proj.weight"]) for x in "qkv"])
+        out[a + "self_attn.o_proj.weight"] = cols(w[a + "self_attn.o_proj.weight"])
+        out[a + "mlp.gate_up_proj.weight"] = torch.cat(
+            [rows(w[a + "mlp.gate_proj.weight"]), rows(w[a + "mlp.up_proj.weight"])])
+        out[a + "mlp.down_proj.weight"] = cols(w[a + "mlp.down_proj.weight"])
+        for n in ("self_attn.q_norm.weight", "self_attn.k_norm.weight",
+                  "input_layernorm.weight", "post_attention_layernorm.weight"):
+            out[a + n] = w[a + n]
+    return out
+
+
+def sha256(t):
+    return hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+def parameter_mismatches(llm, model, tp):
+    """The names of the engine's parameters (every worker, vLLM's own compute_weight_checksums)
+    that differ from the trainer's BF16 weights; [] when every one is equal bit for bit."""
+    bad = []
+    for rank, sums in enumerate(llm.collective_rpc("compute_weight_checksums")):
+        expected = vllm_rank_tensors(model, tp, rank)
+        got = {k.rsplit(":", 1)[1]: v for k, v in sums.items()}
+        if set(got) != set(expected):
+            bad.append(f"rank {rank}: parameters {sorted(set(got) ^ set(expected))}")
+        bad += [f"rank {rank}: {n}" for n in expected if got.get(n) != sha256(expected[n])]
+    return bad
+
+
+def generate(llm):
+    """Greedy tokens and the top-2 logprobs of every step, per prompt (JSON-able)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(temperature=0.0, max_tokens=6, logprobs=2, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], sp, use_tqdm=False)
+    result = []
+    for o in outs:
+        c = o.outputs[0]
+        result.append({"tokens": list(c.token_ids),
+                       "logprobs": [sorted([int(t), float(l.logprob)] for t, l in step.items())
+                                    for step in c.logprobs]})
+    return result
+
+
+def save_json(path, obj):
+    with open(path, "w") as f:
+        json.dump(obj, f)
+
+
+def load_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def bind_cpu_workers(tp):
+    """vLLM's CPU platform refuses to place tp > 1 workers on one NUMA node by itself: bind them
+    to cores here (before vLLM is imported), unless the caller chose already."""
+    if tp > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
+                              "|".join(str(r % os.cpu_count()) for r in range(tp)))
