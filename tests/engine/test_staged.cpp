@@ -6,10 +6,13 @@
 
 #include <cstdint>
 #include <random>
+#include <string>
 #include <tuple>
 #include <vector>
 
 #include "dte/core/digest.hpp"
+#include "dte/error.hpp"
+#include "dte/receive/core.hpp"
 #include "dte/receive/route.hpp"
 #include "dte/receive/staged.hpp"
 
@@ -84,4 +87,42 @@ TEST_CASE("writes decoded in place are staged as the same writes copied in") {
   }
   CHECK(dense > 200);     // runs became dense pieces
   CHECK(continued > 50);  // and sparse entries continued the open piece
+}
+
+TEST_CASE("the core refuses an element written both by a value and a diff piece") {
+  // A delta's diff chunks sit beside a value chunk holding what a diff code cannot: each kind's
+  // indices increase per tensor (the decoder), and no element may be in both (receive/core.hpp).
+  const receive::Core core(
+      "test", 0, {100, 100}, {100, 100}, 2, [](std::int64_t t) { return "t" + std::to_string(t); },
+      [](std::int64_t t) { return "t" + std::to_string(t); });
+  auto staged = [](std::uint32_t value_index, bool dense_diff) {
+    receive::StagedWrites w;
+    w.kind = MessageKind::delta;
+    w.version = 2;
+    w.base = 1;
+    w.push(1, 1, value_index, 0x3F80, 0);
+    w.push(0, 0, 40, 0x3F80, 0);  // another tensor's value write, at an index the diffs write
+    w.diff = true;
+    const std::vector<std::uint32_t> at =
+        dense_diff ? std::vector<std::uint32_t>{20, 21, 22, 23, 24, 25, 26, 27, 28, 29}
+                   : std::vector<std::uint32_t>{3, 10, 40, 77};
+    const receive::StagedWrites::Room r = w.room(at.size());
+    for (std::size_t k = 0; k < at.size(); ++k) {
+      r.index[k] = at[k];
+      r.bits[k] = 6;  // one ulp up
+    }
+    w.push_decoded(1, 1, at.size(), 0);
+    REQUIRE(w.pieces.back().dense == dense_diff);
+    return w;
+  };
+  CHECK_NOTHROW(core.check(staged(11, false)));  // between two diff writes
+  CHECK_NOTHROW(core.check(staged(99, false)));  // past them
+  CHECK_NOTHROW(core.check(staged(0, false)));   // before them
+  CHECK_THROWS_AS(core.check(staged(40, false)), protocol_error);
+  CHECK_THROWS_AS(core.check(staged(3, false)), protocol_error);
+  CHECK_THROWS_AS(core.check(staged(77, false)), protocol_error);
+  CHECK_THROWS_AS(core.check(staged(25, true)), protocol_error);  // inside a dense diff piece
+  CHECK_THROWS_AS(core.check(staged(29, true)), protocol_error);
+  CHECK_NOTHROW(core.check(staged(30, true)));
+  CHECK_NOTHROW(core.check(staged(19, true)));
 }

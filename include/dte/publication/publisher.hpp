@@ -69,6 +69,12 @@ struct PublisherConfig {
   std::int64_t publish_every = 1;  // K: step() returns a message every K optimizer steps
   int zstd_level = 1;              // 1 .. 19 (1: about as small as 3 for sparse deltas, faster)
   std::uint64_t chunk_entries = std::uint64_t{1} << 24;  // elements per chunk at most
+  // diff: a delta covering one optimizer step carries each element's diff code against the
+  // base's bits where the reconstruction knows them (storage/value_code.hpp: the one-ulp steps
+  // of a small learning rate take a few bits), the rare others their values in a value chunk
+  // beside it; a receiver holds the base (the version chain and the digest see to it). value:
+  // always the new bits. Full publications and deltas over K > 1 steps carry values either way.
+  storage::Encoding encoding = storage::Encoding::diff;
 };
 
 // What the last publication did.
@@ -131,10 +137,20 @@ class Publisher {
     storage::Manifest m;
     try {
       sender_.check_trainer(access);
-      storage::ChunkSink<false, storage::ChunkMemory> sink(hf_, {v, base, 0, 0}, cfg_.zstd_level,
-                                                           cfg_.chunk_entries, {&blobs, full});
-      scan = sender_.scan(access, pass.mode, sink);
-      m.chunks = sink.written();
+      const auto write_chunks = [&](auto& sink) {
+        scan = sender_.scan(access, pass.mode, sink);
+        m.chunks = sink.written();
+      };
+      // (diff needs the base to be the previous optimizer step: one step since the last one)
+      if (cfg_.encoding == storage::Encoding::diff && !full && pass.steps == 1) {
+        storage::ChunkSink<true, storage::ChunkMemory> sink(hf_, {v, base, 0, 0}, cfg_.zstd_level,
+                                                            cfg_.chunk_entries, {&blobs, full});
+        write_chunks(sink);
+      } else {
+        storage::ChunkSink<false, storage::ChunkMemory> sink(hf_, {v, base, 0, 0}, cfg_.zstd_level,
+                                                             cfg_.chunk_entries, {&blobs, full});
+        write_chunks(sink);
+      }
     } catch (...) {
       schedule_.require_full();
       throw;

@@ -83,7 +83,10 @@ std::optional<storage::Manifest> stage(const layout::HfModel& hf, std::span<cons
     rep.version = core.version();
     return std::nullopt;
   }
-  std::vector<std::int64_t> last(static_cast<std::size_t>(hf.size()), -1);
+  // per chunk kind (value, diff) and tensor: the last index seen (receive::Core::check then
+  // refuses an element written by both kinds)
+  const auto tensors = static_cast<std::size_t>(hf.size());
+  std::vector<std::int64_t> last(2 * tensors, -1);
   for (std::size_t k = 0; k < v.chunks.size(); ++k) {
     const storage::ChunkHeader expect{m.version, m.base, static_cast<std::uint32_t>(k), 0};
     (void)storage::visit_chunk_into(
@@ -97,7 +100,8 @@ std::optional<storage::Manifest> stage(const layout::HfModel& hf, std::span<cons
                                " is diff-encoded; a full publication carries values");
           }
           if (index.empty()) return;
-          std::int64_t& l = last[static_cast<std::size_t>(t)];
+          const std::size_t kind = c.encoding == storage::Encoding::diff ? 1 : 0;
+          std::int64_t& l = last[kind * tensors + static_cast<std::size_t>(t)];
           if (static_cast<std::int64_t>(index.front()) <= l) {
             throw protocol_error(core.who() + ": tensor " + hf.name(t) + " element " +
                                  std::to_string(index.front()) + " in chunk " + std::to_string(k) +

@@ -207,10 +207,12 @@ class Core {
   }
 
   // Every piece inside the live part of an existing tensor; a no-op carries nothing; a full
-  // publication writes every live element exactly once. Memory per piece, nothing per write.
+  // publication writes every live element exactly once; no element is written both by a value
+  // piece and a diff piece. Memory per piece, nothing per write.
   void check(const StagedWrites& w) const {
     check_bounds(w);
     if (w.full()) check_cover(w);
+    check_encodings_disjoint(w);
   }
 
  private:
@@ -467,6 +469,40 @@ class Core {
     spans.reserve(w.pieces.size());
     add_spans(w, spans);
     check_cover(std::move(spans), w.size(), w.version);
+  }
+
+  // A delta may carry diff chunks beside value chunks (storage/chunk_sink.hpp: the few elements
+  // a diff code cannot hold go into a value chunk); each chunk kind's indices increase per
+  // tensor (the decoder checks that), so an element written twice would be one each. The value
+  // writes are few: each diff piece is searched for the value writes inside its range,
+  // O(pieces log values).
+  void check_encodings_disjoint(const StagedWrites& w) const {
+    if (!w.any_diff()) return;
+    std::vector<std::pair<std::uint32_t, std::uint32_t>> values;  // (tensor, index)
+    for (const Piece& p : w.pieces) {
+      if (p.diff || p.count() == 0) continue;
+      for (std::size_t k = 0; k < p.count(); ++k)
+        values.emplace_back(p.tensor,
+                            p.dense ? p.first + static_cast<std::uint32_t>(k) : w.index[p.at + k]);
+    }
+    if (values.empty()) return;
+    std::sort(values.begin(), values.end());
+    for (const Piece& p : w.pieces) {
+      if (!p.diff || p.count() == 0) continue;
+      auto it = std::lower_bound(values.begin(), values.end(), std::pair{p.tensor, w.first(p)});
+      for (; it != values.end() && it->first == p.tensor && it->second <= w.last(p); ++it) {
+        const bool hit =
+            p.dense || std::binary_search(w.index.data() + p.at, w.index.data() + p.at + p.count(),
+                                          it->second);
+        if (hit) {
+          throw protocol_error(who_ + ": version " + std::to_string(w.version) +
+                                   " writes element " + std::to_string(it->second) + " of " +
+                                   name_(p.tensor) +
+                                   " twice (a value and a diff code); each element is written once",
+                               context(p.source, w.version));
+        }
+      }
+    }
   }
 
   // Pairwise disjoint, and `written` (their writes) equal to the live elements.

@@ -151,6 +151,11 @@ class DteWeightTransferEngine(WeightTransferEngine[DteInitInfo, DteUpdateInfo]):
                     f"dte vLLM backend: the served model has no parameter {name} (TP rank {rank} of "
                     f"tp={tp}); its parameters are {sorted(params)[:6]} ...: is it the model of the "
                     "config given?")
+            if p.device.type != "cpu":
+                raise dte.UnsupportedError(
+                    f"dte vLLM backend: {name} lives on {p.device}; this release applies publications "
+                    "into CPU tensors (vLLM's CPU platform). GPU workers need the binding's CUDA "
+                    "receiver, which is not there yet")
             module = self.model.get_submodule(name.rpartition(".")[0])
             if p.numel() == 0 and hasattr(module, "cpu_linear") and p.dtype == torch.bfloat16:
                 # Emptied by vLLM's CPU platform after packing: dte's tensor becomes the parameter

@@ -7,7 +7,8 @@ publications and from a storage root, at tp = 1 and tp = 2 (issue 28).
 Each scenario (scenario.py, its own process) checks after every publication that every worker's
 parameters equal the trainer's BF16 weights bit for bit, and the refusals. The reference
 (reference.py) then runs a stock engine on each version's checkpoint: greedy tokens and logprobs
-must be equal, exactly. Each engine runs in its own process: vLLM keeps process-wide state."""
+must be equal, exactly. Each engine runs in its own process: vLLM keeps process-wide state.
+server.py does the same over a server's HTTP routes."""
 import os
 import subprocess
 import sys
@@ -88,3 +89,13 @@ def test_storage_root_gives_the_same_results(records):
 
     assert generated("mp-k4-storage") == generated("inproc-k4")
     assert generated("mp-k1")[:20] == generated("inproc-k1")[:20]
+
+
+def test_a_server_over_http(tmp_path):
+    """A vLLM OpenAI server driven by dte.vllm.update_server (server.py), its completions
+    against the stock engine on each checkpoint."""
+    rc, tail = run("server.py", str(tmp_path / "server"))
+    assert rc == 0, tail
+    rc, tail = run("reference.py", str(tmp_path / "server" / "record.json"))
+    assert rc == 0, tail
+    assert "0 differ" in tail, tail

@@ -109,8 +109,8 @@ def main():
                     if msg is not None:
                         break
             via = "storage" if k >= a.publications // 2 else "publication"
+            writer.write(msg)  # every version goes to the root (a chain from the full one)
             if via == "storage":
-                writer.write(msg)
                 reports = dte.vllm.update_server(url, storage=root)
             else:
                 reports = dte.vllm.update_server(url, publication=msg,

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "python", "vllm_rl_loop.py")
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "python", "vllm_rl_loop.py")
 
 
 def test_vllm_rl_loop(tmp_path):
