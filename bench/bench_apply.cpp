@@ -17,7 +17,7 @@
 // Only the public API is used, so the same file builds against an older checkout for a
 // comparison in the same run (bench/apply_compare.sh).
 //   bench_apply [--model small-qwen3] [--layers N] [--densities 0.01,0.025,0.05]
-//               [--publications 5] [--rounds 3] [--json FILE]
+//               [--publications 5] [--rounds 3] [--encoding diff|value] [--json FILE]
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -72,7 +72,8 @@ struct Row {
 [[noreturn]] void usage(const char* why) {
   std::fprintf(stderr,
                "bench_apply: %s\nusage: bench_apply [--model NAME] [--layers N] "
-               "[--densities D,D,...] [--publications N] [--rounds N] [--json FILE]\n",
+               "[--densities D,D,...] [--publications N] [--rounds N] [--encoding diff|value] "
+               "[--json FILE]\n",
                why);
   std::exit(2);
 }
@@ -83,6 +84,7 @@ int main(int argc, char** argv) {
   std::string model = "small-qwen3", json;
   std::int64_t layers = 0;
   int publications = 5, rounds = 3;
+  storage::Encoding encoding = storage::Encoding::diff;  // the publisher's default
   std::vector<double> targets = {0.01, 0.025, 0.05};
   for (int a = 1; a < argc; ++a) {
     const std::string arg = argv[a];
@@ -98,6 +100,9 @@ int main(int argc, char** argv) {
       rounds = std::stoi(val);
     } else if (arg == "--json") {
       json = val;
+    } else if (arg == "--encoding") {
+      if (val != "diff" && val != "value") usage("--encoding is diff or value");
+      encoding = val == "diff" ? storage::Encoding::diff : storage::Encoding::value;
     } else if (arg == "--densities") {
       targets.clear();
       std::stringstream ss(val);
@@ -117,7 +122,12 @@ int main(int argc, char** argv) {
   // per target density a few calibration deltas and `publications` measured ones.
   testing::FlatAdamW tr(spec);
   tr.lr = 2e-6;  // rescaled per density below
-  Pub pub(spec);
+  publication::PublisherConfig cfg;
+  // (a tree before the publisher had encodings: bench/apply_compare.sh builds this against one)
+  [&](auto& c) {
+    if constexpr (requires { c.encoding; }) c.encoding = encoding;
+  }(cfg);
+  Pub pub(spec, cfg);
   const layout::HfModel& hf = pub.model();
   const auto total = static_cast<double>(hf.total());
   struct Message {
@@ -224,8 +234,9 @@ int main(int argc, char** argv) {
     return 1;
   }
 
-  std::printf("model %s, %lld elements, %d publications per density, one thread\n", model.c_str(),
-              static_cast<long long>(hf.total()), publications);
+  std::printf("model %s, %lld elements, %d publications per density (%s encoding), one thread\n",
+              model.c_str(), static_cast<long long>(hf.total()), publications,
+              encoding == storage::Encoding::diff ? "diff" : "value");
   std::printf("%8s %9s %12s %12s %14s %14s %14s\n", "target", "density", "changed/pub", "bytes/pub",
               "hf ns/elem", "shard ns/elem", "shard ns/pub");
   for (const Row& r : rows) {

@@ -45,6 +45,23 @@ def shapes(name, layers, vocab):
                                      max_position_embeddings=256, tie_word_embeddings=False, **c)
 
 
+def decode_speed(llm, rounds=3):
+    """Greedy decode throughput (tokens/s) of 8 prompts x 24 new tokens, the median of rounds."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=[(7 * i + j) % 1000 + 1 for j in range(16)])
+               for i in range(8)]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
+    llm.generate(prompts, sp, use_tqdm=False)  # warm
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        llm.generate(prompts, sp, use_tqdm=False)
+        times.append(time.perf_counter() - t)
+    return 8 * 24 / statistics.median(times)
+
+
 def reload_times(a):
     """reload_weights of the full state dict, timed on a stock engine (no dte backend) in its
     own process: on the CPU platform vLLM's layerwise reload restores the packed layers'
@@ -71,13 +88,14 @@ def reload_only(a):
     state = {n: p.detach() for n, p in model.named_parameters()}
     llm = LLM(model=path, dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True,
               max_model_len=64, kv_cache_memory_bytes=64 << 20)
+    speed = decode_speed(llm)
     times = []
     for _ in range(a.reloads):
         t = time.perf_counter()
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state.items())})
         times.append(time.perf_counter() - t)
     with open(a.reload_only, "w") as f:
-        json.dump(times, f)
+        json.dump({"reloads": times, "decode_tokens_per_s": speed}, f)
 
 
 def main():
@@ -173,10 +191,18 @@ def main():
                   f"(update {t_dte * 1e3:.1f} ms); load_checkpoint_weight_patches "
                   f"{t_patch * 1e3:.1f} ms; load_weights {t_load * 1e3:.1f} ms", flush=True)
 
-    reloads = reload_times(a) if a.reloads else []
+    synced_speed = decode_speed(llm)
+    memory = llm.collective_rpc("weight_transfer_engine", args=("memory",))[0]
+    stock = reload_times(a) if a.reloads else {"reloads": [], "decode_tokens_per_s": None}
+    reloads = stock["reloads"]
     if reloads:
         print(f"reload_weights (full state dict, a stock engine): "
               f"{[round(x * 1e3, 1) for x in reloads]} ms", flush=True)
+        print(f"greedy decode, 8 x 24 tokens: {synced_speed:.1f} tokens/s synced by dte, "
+              f"{stock['decode_tokens_per_s']:.1f} a stock engine (ratio "
+              f"{synced_speed / stock['decode_tokens_per_s']:.3f}); weights kept live beside the "
+              f"packed copies: {memory['live_bytes'] / 2**20:.1f} MiB of "
+              f"{2 * total / 2**20:.1f} MiB BF16 ({memory['packed_layers']} packed layers)", flush=True)
 
     print("\nmedians per target density:")
     for target in sorted({r["target"] for r in rows}):
@@ -195,7 +221,10 @@ def main():
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"shape": a.shape, "layers": a.layers, "vocab": config.vocab_size,
-                       "elements": total, "rows": rows, "reloads": reloads}, f, indent=1)
+                       "elements": total, "rows": rows, "reloads": reloads,
+                       "decode_tokens_per_s": {"dte": synced_speed,
+                                               "stock": stock["decode_tokens_per_s"]},
+                       "live_bytes": memory["live_bytes"]}, f, indent=1)
 
 
 if __name__ == "__main__":
