@@ -51,8 +51,15 @@ def _update_info(publication, storage) -> dict:
 
 def init(llm, **init_info) -> None:
     """Binds every worker's dte receiver to its parameters (once, after LLM(...)). init_info:
-    config, tp, rank, reader (dte.vllm.engine.DteInitInfo); by default vLLM's own."""
-    llm.init_weight_transfer_engine({"init_info": dict(init_info)})
+    config, tp, rank, reader (dte.vllm.engine.DteInitInfo); by default vLLM's own. A worker
+    that refuses (parameters that are not the config's layout) raises its dte error here."""
+    try:
+        llm.init_weight_transfer_engine({"init_info": dict(init_info)})
+    except Exception as e:
+        error = e
+    else:
+        error = None
+    _checked(reports(llm), error)
 
 
 def reports(llm) -> List[Optional[dict]]:

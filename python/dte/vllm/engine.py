@@ -128,6 +128,16 @@ class DteWeightTransferEngine(WeightTransferEngine[DteInitInfo, DteUpdateInfo]):
 
     # -- init --
     def init_transfer_engine(self, init_info: DteInitInfo) -> None:
+        try:
+            self._init(init_info)
+        except dte.Error as e:
+            # raised by one worker only, as refusals are (_raises): every worker would refuse
+            self.receiver = None
+            self.last = {"rank": self.rank, "version": None, "refused": f"dte.{type(e).__name__}: {e}"}
+            if self._raises:
+                raise type(e)(f"dte.{type(e).__name__}: {e}") from None
+
+    def _init(self, init_info: DteInitInfo) -> None:
         if self.parallel_config.pipeline_parallel_size != 1:
             raise dte.UnsupportedError(
                 "dte's vLLM backend keeps tensor-parallel workers in sync; pipeline_parallel_size "
@@ -136,14 +146,14 @@ class DteWeightTransferEngine(WeightTransferEngine[DteInitInfo, DteUpdateInfo]):
 
         tp = init_info.tp or self.parallel_config.tensor_parallel_size
         rank = init_info.rank if init_info.rank is not None else get_tensor_model_parallel_rank()
+        self.rank = rank
         config = init_info.config if init_info.config is not None else _served_config(self.model_config)
         if isinstance(config, str) and os.path.isdir(config):
             config = os.path.join(config, "config.json")
         shapes = dte.TorchReceiver.shard_tensors(config, f"tp={tp}", rank)
         params = dict(self.model.named_parameters())
-        tensors: Dict[str, torch.Tensor] = {}
-        packed: Dict[str, torch.nn.Module] = {}
-        live_bytes = 0
+        # Every parameter checked before any is touched.
+        emptied = []
         for name, shape in shapes.items():
             p = params.get(name)
             if p is None:
@@ -158,25 +168,38 @@ class DteWeightTransferEngine(WeightTransferEngine[DteInitInfo, DteUpdateInfo]):
                     "receiver, which is not there yet")
             module = self.model.get_submodule(name.rpartition(".")[0])
             if p.numel() == 0 and hasattr(module, "cpu_linear") and p.dtype == torch.bfloat16:
-                # Emptied by vLLM's CPU platform after packing: dte's tensor becomes the parameter
-                # again; the packed copy serves until a publication writes this layer.
-                module.weight = _live_parameter(
-                    module, torch.zeros(shape, dtype=torch.bfloat16, device=p.device))
-                p = module.weight
-                live_bytes += p.numel() * p.element_size()
+                emptied.append(name)  # packed by vLLM's CPU platform, the parameter emptied
+                continue
             if tuple(p.shape) != tuple(shape) or p.dtype != torch.bfloat16 or not p.is_contiguous():
                 raise dte.UnsupportedError(
                     f"dte vLLM backend: {name} is {p.dtype} {tuple(p.shape)} in the served model; dte "
                     f"writes contiguous BF16 {tuple(shape)} (serve with dtype='bfloat16', unquantized)")
-            tensors[name] = p.data
+        unknown = sorted(set(params) - set(shapes))
+        if unknown:
+            raise dte.InvalidArgument(
+                f"dte vLLM backend: the served model has parameters the config's layout does not "
+                f"(TP rank {rank} of tp={tp}): {unknown[:4]}{' ...' if len(unknown) > 4 else ''}; "
+                "dte would never update them: is the config the served model's?")
+        # dte's tensor becomes each emptied parameter again; the packed copy serves until a
+        # publication writes that layer.
+        live_bytes = 0
+        for name in emptied:
+            module = self.model.get_submodule(name.rpartition(".")[0])
+            module.weight = _live_parameter(module, torch.zeros(shapes[name], dtype=torch.bfloat16))
+            live_bytes += module.weight.numel() * module.weight.element_size()
+        params = dict(self.model.named_parameters())
+        tensors = {name: params[name].data for name in shapes}
+        packed = {}
+        for name in shapes:
+            module = self.model.get_submodule(name.rpartition(".")[0])
             if hasattr(module, "cpu_linear"):
                 packed[name] = module
         self.receiver = dte.TorchReceiver(tensors, config=config, infer=f"tp={tp}", rank=rank)
-        self.rank = rank
         self._packed = packed
         self.live_bytes = live_bytes
         self._readers = {}
         self._reader_name = init_info.reader if init_info.reader is not None else f"vllm-tp{rank}"
+        self.last = None
 
     # -- lifecycle: publications apply in place, so start and finish have nothing to do --
     def start_weight_update(self) -> None:

@@ -52,6 +52,17 @@ def main():
               **common.ENGINE)
     # The backend came in through the vllm.general_plugins entry point: nothing imported here
     # reaches the engine core or its workers in mp mode.
+    if a.refusals:
+        # another model's config: the served parameters are not its layout; refused on init,
+        # nothing touched (the engine then binds with its own)
+        other = common.qwen3_config(num_hidden_layers=1).to_dict()
+        before_gen = common.generate(llm)
+        try:
+            dte.vllm.init(llm, config=other)
+            check(False, "init with another model's config: accepted")
+        except dte.InvalidArgument as e:
+            check("parameters the config's layout does not" in str(e), f"init refusal: {e}")
+        check(common.generate(llm) == before_gen, "a refused init changed generation")
     dte.vllm.init(llm)
     pub = dte.TorchPublisher(trainer, opt, publish_every=a.every, config=start)
     root = os.path.join(a.out, "root")
