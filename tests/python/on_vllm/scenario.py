@@ -152,6 +152,9 @@ def main():
         publish(m1, at1)
         publish(m2, at2)
         refused("older version", m1, dte.ProtocolError, "is older than the version")
+        # a full publication resynchronises whatever the engine holds; deltas follow on it
+        publish(pub.publish_full(), copy.deepcopy(trainer))
+        publish(*next_publication())
         record["refusals"] = refusals
         for r in refusals:
             print("refused:", r, flush=True)
