@@ -136,11 +136,13 @@ struct StagedWrites {
 
   [[nodiscard]] std::size_t size() const noexcept { return bits.size() + external; }
   [[nodiscard]] bool full() const noexcept { return kind == MessageKind::full; }
-  // The receiver tensors these writes touch, ascending, each once.
+  // The receiver tensors these writes touch, ascending, each once. (A tensor's pieces mostly
+  // follow one another: only a change of tensor is kept before the sort, which then sorts about
+  // as many entries as there are tensors, not pieces.)
   [[nodiscard]] std::vector<std::uint32_t> tensors() const {
     std::vector<std::uint32_t> out;
     for (const Piece& p : pieces)
-      if (p.count() > 0) out.push_back(p.tensor);
+      if (p.count() > 0 && (out.empty() || out.back() != p.tensor)) out.push_back(p.tensor);
     std::sort(out.begin(), out.end());
     out.erase(std::unique(out.begin(), out.end()), out.end());
     return out;

@@ -55,16 +55,15 @@ def init(llm, **init_info) -> None:
     that refuses (parameters that are not the config's layout) raises its dte error here."""
     try:
         llm.init_weight_transfer_engine({"init_info": dict(init_info)})
+        error = None
     except Exception as e:
         error = e
-    else:
-        error = None
     _checked(reports(llm), error)
 
 
 def reports(llm) -> List[Optional[dict]]:
     """Per worker, what its last update did: version, applied, full, changed, bytes, seconds
-    (apply_seconds + repack_seconds), repacked, rank."""
+    (apply_seconds + repack_seconds), repacked, rank, refused."""
     # The worker's engine object answers (DteWeightTransferEngine.__call__): a method by name,
     # so it works across processes without pickled callables.
     return llm.collective_rpc("weight_transfer_engine", args=("report",))
@@ -75,26 +74,30 @@ def update(llm, publication: Optional[bytes] = None, storage=None) -> List[Optio
     the prefix cache reset (its KV blocks were computed with the previous weights). Returns the
     workers' reports. A refusal raises the worker's dte error (dte.FormatError, ProtocolError,
     ...) with its reason; every worker keeps the version it held and its session is closed."""
-    info = _update_info(publication, storage)
-    llm.start_weight_update()
+    return _session(llm.start_weight_update, lambda info: llm.update_weights({"update_info": info}),
+                    llm.finish_weight_update, llm.reset_prefix_cache, lambda: reports(llm),
+                    _update_info(publication, storage))
+
+
+def _session(start, update_weights, finish, reset_prefix_cache, get_reports, info):
+    """The update sequence, for an LLM or a server: start, update, finish, the prefix cache
+    reset, then every worker's report checked."""
+    start()
     try:
-        llm.update_weights({"update_info": info})
+        update_weights(info)
+        error = None
     except Exception as e:
         error = e
-    else:
-        error = None
-        llm.finish_weight_update()
-    if error is not None:
-        # A refusal raises on one worker (the last: DteWeightTransferEngine._raises), which ends
-        # its session; the others recorded it and still hold theirs open. finish ends them, and
-        # raises on the worker whose session ended already (vLLM's own check): expected here.
-        try:
-            llm.finish_weight_update()
-        except Exception:
-            pass
-    llm.reset_prefix_cache()
-    got = reports(llm)
-    return _checked(got, error)
+    # After a refusal only one worker raised (the last: DteWeightTransferEngine._raises), which
+    # ended its session; the others recorded it and still hold theirs open. finish ends them, and
+    # raises on the worker whose session ended already (vLLM's own check): expected then.
+    try:
+        finish()
+    except Exception:
+        if error is None:
+            raise
+    reset_prefix_cache()
+    return _checked(get_reports(), error)
 
 
 def _checked(got: List[Optional[dict]], error: Optional[Exception]) -> List[Optional[dict]]:
@@ -108,24 +111,24 @@ def _checked(got: List[Optional[dict]], error: Optional[Exception]) -> List[Opti
             f"dte.vllm: the workers hold different versions {versions} after a refused update "
             f"({refusals[0] if refusals else error}); send a full publication (pub.publish_full())")
     if refusals:
-        raise _as_dte_error(RuntimeError(refusals[0]))
+        raise _as_dte_error(refusals[0])
     if error is not None:
         raise error
     return got
 
 
-_NAMED = re.compile(r"dte\.(\w+): (.*?)(?:', please check the stack trace.*)?$", re.S)
+_NAMED = re.compile(r"dte\.(\w+): (.*)", re.S)
 
 
-def _as_dte_error(e: Exception) -> Exception:
-    """The worker's dte error, whatever vLLM wrapped it in on its way from another process
-    (the engine names the class in the message: dte.FormatError: ...)."""
+def _as_dte_error(text: str) -> Exception:
+    """The worker's dte error from the text its report recorded (the engine names the class:
+    dte.FormatError: ...): the same class in-process and across processes."""
     import dte
 
-    m = _NAMED.search(str(e))
+    m = _NAMED.match(text)
     cls = getattr(dte, m.group(1), None) if m else None
-    if m is None or not (isinstance(cls, type) and issubclass(cls, dte.Error)) or isinstance(e, cls):
-        return e
+    if m is None or not (isinstance(cls, type) and issubclass(cls, dte.Error)):
+        return RuntimeError(text)
     return cls(m.group(2))
 
 
@@ -157,20 +160,11 @@ def update_server(url: str, publication: Optional[bytes] = None, storage=None,
         info["publication"] = base64.b64encode(info["publication"]).decode()
     if init_info is not None:
         _post(url, "/init_weight_transfer_engine", {"init_info": init_info}, timeout)
-    _post(url, "/start_weight_update", {}, timeout)
-    try:
-        _post(url, "/update_weights", {"update_info": info}, timeout)
-    except RuntimeError as e:
-        error = e
-        try:
-            _post(url, "/finish_weight_update", {}, timeout)  # as in update()
-        except RuntimeError:
-            pass
-    else:
-        error = None
-        _post(url, "/finish_weight_update", {}, timeout)
-    _post(url, "/reset_prefix_cache", {}, timeout)
-    return _checked(server_reports(url, timeout), error)
+    return _session(lambda: _post(url, "/start_weight_update", {}, timeout),
+                    lambda i: _post(url, "/update_weights", {"update_info": i}, timeout),
+                    lambda: _post(url, "/finish_weight_update", {}, timeout),
+                    lambda: _post(url, "/reset_prefix_cache", {}, timeout),
+                    lambda: server_reports(url, timeout), info)
 
 
 def server_reports(url: str, timeout: float = 60.0) -> List[Optional[dict]]:

@@ -91,6 +91,13 @@ def _served_config(model_config) -> Any:
     return model_config.hf_config.to_dict()
 
 
+def _named(e: "dte.Error") -> "dte.Error":
+    """e with its class named in the text (dte.FormatError: ...), so that the caller's
+    dte.vllm.update raises the same class where vLLM carries only the message across
+    processes."""
+    return type(e)(f"dte.{type(e).__name__}: {e}")
+
+
 def _live_parameter(module: torch.nn.Module, data: torch.Tensor) -> torch.nn.Parameter:
     """A linear layer's weight as vLLM's UnquantizedLinearMethod.create_weights makes it (the
     parameter class and loader attributes), holding `data`: vLLM's own loaders
@@ -131,11 +138,12 @@ class DteWeightTransferEngine(WeightTransferEngine[DteInitInfo, DteUpdateInfo]):
         try:
             self._init(init_info)
         except dte.Error as e:
-            # raised by one worker only, as refusals are (_raises): every worker would refuse
+            # recorded by every worker, raised by one (_raises), as a refused update is
+            refused = _named(e)
             self.receiver = None
-            self.last = {"rank": self.rank, "version": None, "refused": f"dte.{type(e).__name__}: {e}"}
+            self.last = {"rank": self.rank, "version": None, "refused": str(refused)}
             if self._raises:
-                raise type(e)(f"dte.{type(e).__name__}: {e}") from None
+                raise refused from None
 
     def _init(self, init_info: DteInitInfo) -> None:
         if self.parallel_config.pipeline_parallel_size != 1:
@@ -154,6 +162,7 @@ class DteWeightTransferEngine(WeightTransferEngine[DteInitInfo, DteUpdateInfo]):
         params = dict(self.model.named_parameters())
         # Every parameter checked before any is touched.
         emptied = []
+        modules = {name: self.model.get_submodule(name.rpartition(".")[0]) for name in shapes}
         for name, shape in shapes.items():
             p = params.get(name)
             if p is None:
@@ -166,8 +175,7 @@ class DteWeightTransferEngine(WeightTransferEngine[DteInitInfo, DteUpdateInfo]):
                     f"dte vLLM backend: {name} lives on {p.device}; this release applies publications "
                     "into CPU tensors (vLLM's CPU platform). GPU workers need the binding's CUDA "
                     "receiver, which is not there yet")
-            module = self.model.get_submodule(name.rpartition(".")[0])
-            if p.numel() == 0 and hasattr(module, "cpu_linear") and p.dtype == torch.bfloat16:
+            if p.numel() == 0 and hasattr(modules[name], "cpu_linear") and p.dtype == torch.bfloat16:
                 emptied.append(name)  # packed by vLLM's CPU platform, the parameter emptied
                 continue
             if tuple(p.shape) != tuple(shape) or p.dtype != torch.bfloat16 or not p.is_contiguous():
@@ -184,16 +192,12 @@ class DteWeightTransferEngine(WeightTransferEngine[DteInitInfo, DteUpdateInfo]):
         # publication writes that layer.
         live_bytes = 0
         for name in emptied:
-            module = self.model.get_submodule(name.rpartition(".")[0])
+            module = modules[name]
             module.weight = _live_parameter(module, torch.zeros(shapes[name], dtype=torch.bfloat16))
             live_bytes += module.weight.numel() * module.weight.element_size()
         params = dict(self.model.named_parameters())
         tensors = {name: params[name].data for name in shapes}
-        packed = {}
-        for name in shapes:
-            module = self.model.get_submodule(name.rpartition(".")[0])
-            if hasattr(module, "cpu_linear"):
-                packed[name] = module
+        packed = {name: m for name, m in modules.items() if hasattr(m, "cpu_linear")}
         self.receiver = dte.TorchReceiver(tensors, config=config, infer=f"tp={tp}", rank=rank)
         self._packed = packed
         self.live_bytes = live_bytes
@@ -234,9 +238,7 @@ class DteWeightTransferEngine(WeightTransferEngine[DteInitInfo, DteUpdateInfo]):
                     self._readers[update_info.storage] = reader
                 reader.poll(reports)
         except dte.Error as e:
-            # Named in the text, so the caller's dte.vllm.update raises the same class when vLLM
-            # carries only the message across processes.
-            refused = type(e)(f"dte.{type(e).__name__}: {e}")
+            refused = _named(e)
         finally:
             # Whatever committed (a storage chain may stop at a refused version) reaches the
             # computation before this returns or raises.
