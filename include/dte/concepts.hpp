@@ -94,15 +94,23 @@ concept transfer_plan = requires(const P& p, layout::BufferKind b) {
 };
 
 // The trainer's state as the engine reads it, per trainer rank, buffer and plan segment: the
-// rank's FP32 shard of the buffer, the segment's hyperparameters (its parameter group's, after
-// the scheduler) and its optimizer state (spans over the segment). The engine binds the inverse.
+// rank's FP32 shard of the buffer (theta(rank, b)), or, for a rank whose pieces live apart (a
+// sharded PyTorch trainer's local tensors: layout/local_shards.hpp), each segment's weights
+// (segment_theta(rank, b, s); the publisher's sender frame only); the segment's hyperparameters
+// (its parameter group's, after the scheduler) and its optimizer state (spans over the
+// segment). The engine binds the inverse.
 template <class A, class Inverse>
 concept trainer_access = optimizer_inverse<Inverse> &&
     requires(const A& a, std::int64_t rank, layout::BufferKind b, const layout::PlanSegment& s) {
-  { a.theta(rank, b) } -> std::convertible_to<std::span<const float>>;
   { a.hyperparameters(rank, b, s) } -> std::convertible_to<typename Inverse::hyperparameters>;
   { a.state(rank, b, s) } -> std::convertible_to<typename Inverse::state>;
-};
+} &&(
+    requires(const A& a, std::int64_t rank, layout::BufferKind b) {
+      { a.theta(rank, b) } -> std::convertible_to<std::span<const float>>;
+    } ||
+    requires(const A& a, std::int64_t rank, layout::BufferKind b, const layout::PlanSegment& s) {
+      { a.segment_theta(rank, b, s) } -> std::convertible_to<std::span<const float>>;
+    });
 
 // Carries the pipeline's data-parallel stages (exec/host.hpp; exec/cuda.cuh, whose device
 // stages are pipeline/device.cuh and whose sender is engine/device_sender.cuh):

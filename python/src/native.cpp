@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // dte._native: the C++ side of the Python package (python/dte/__init__.py holds the torch side).
-// It binds publication::Publisher (one per optimizer inverse), HfReceiver and ShardReceiver,
+// It binds publication::Publisher over a rank's local pieces (one per optimizer inverse) and
+// merge(), HfReceiver and ShardReceiver,
 // and the storage adapters, over memory the Python side has checked (dtype, device, size,
 // contiguity) and keeps alive: tensors arrive as addresses, so no per-tensor conversion runs
 // in a publication. The GIL is released during every pass and apply. dte's exceptions become
@@ -136,58 +137,86 @@ struct Group {
   double lr, weight_decay, beta1, beta2, eps, momentum, dampening;
 };
 
-// A publisher over one optimizer inverse. Python passes, once, the flat FP32 buffer and each
-// tensor's parameter group; then per step the groups' hyperparameters as the step used them and
-// per tensor its state's addresses and step count.
+// A publisher over one optimizer inverse, for one trainer rank of `writers` (one: the whole
+// model in one process). Python passes, once, the pieces of HF tensors this rank holds
+// (layout::LocalPiece, each with its slot: the local tensor it lives in, and its offset there)
+// and each slot's element count and parameter group; then per step the groups'
+// hyperparameters as the step used them and per slot its weights' and state's addresses and
+// its step count. Every piece is read where it lives (the frame's segmented access): nothing is
+// copied or moved.
 template <class Inverse>
 class PyPublisher {
  public:
+  using Pub = dte::publication::Publisher<Inverse, dte::BF16Detect, dte::layout::LocalShardPlan>;
+
+  struct Piece {
+    std::int64_t tensor, index, length;
+    bool sender;
+    std::int64_t slot, offset;
+  };
+
   PyPublisher(const std::string& config, std::int64_t publish_every, int zstd_level, bool diff,
-              std::uintptr_t theta, std::int64_t numel, std::vector<std::int64_t> group_of,
-              bool decoupled)
-      : pub_(model_of(config),
+              const std::vector<std::tuple<std::int64_t, std::int64_t, std::int64_t, bool,
+                                           std::int64_t, std::int64_t>>& pieces,
+              std::vector<std::int64_t> slot_numel, std::vector<std::int64_t> slot_group,
+              bool decoupled, std::uint32_t writer, std::uint32_t writers)
+      : pub_(model_of(config), local_pieces(pieces), {writer, writers},
              {.publish_every = publish_every,
               .zstd_level = zstd_level,
               .encoding = diff ? dte::storage::Encoding::diff : dte::storage::Encoding::value}),
-        group_of_(std::move(group_of)),
+        numel_(std::move(slot_numel)),
+        group_of_(std::move(slot_group)),
         decoupled_(decoupled) {
-    const auto& hf = pub_.model();
-    if (numel != hf.total() || static_cast<std::int64_t>(group_of_.size()) != hf.size()) {
-      throw dte::invalid_argument("dte._native publisher: the flat buffer has " +
-                                  std::to_string(numel) + " elements and " +
-                                  std::to_string(group_of_.size()) + " tensors, the model " +
-                                  std::to_string(hf.total()) + " and " + std::to_string(hf.size()));
+    if (group_of_.size() != numel_.size()) {
+      throw dte::invalid_argument("dte._native publisher: per-slot lists of different lengths");
     }
-    flat_.theta = {address<const float>(theta), static_cast<std::size_t>(numel)};
-    flat_.hyper.resize(group_of_.size());
-    flat_.state.resize(group_of_.size());
-    last_step_.assign(group_of_.size(), 0);
+    for (const auto& [tensor, index, length, sender, slot, offset] : pieces) {
+      if (slot < 0 || static_cast<std::size_t>(slot) >= numel_.size() || offset < 0 ||
+          offset > numel_[static_cast<std::size_t>(slot)] - length) {
+        throw dte::invalid_argument("dte._native publisher: a piece of " +
+                                    pub_.model().name(tensor) + " lies outside its local tensor");
+      }
+      pieces_.push_back({tensor, index, length, sender, slot, offset});
+    }
+    const auto n = numel_.size();
+    theta_.assign(n, nullptr);
+    hyper_.resize(n);
+    s0_.assign(n, nullptr);
+    s1_.assign(n, nullptr);
+    last_step_.assign(n, 0);
+    for (std::int64_t x : numel_)
+      zeros_size_ = std::max(zeros_size_, x);
   }
 
-  // Per tensor: state addresses (0: no state yet) and step count; per group: hyperparameters.
+  // Per slot: weights, state addresses (0: no state yet) and step count; per group:
+  // hyperparameters. A part (several writers) awaits commit() / abort().
   std::optional<nb::bytes> step(const std::vector<Group>& groups,
+                                const std::vector<std::uintptr_t>& theta,
                                 const std::vector<std::uintptr_t>& a,
                                 const std::vector<std::uintptr_t>& b,
                                 const std::vector<std::int64_t>& steps) {
-    bind(groups, a, b, steps);
+    bind(groups, theta, a, b, steps);
     std::optional<Bytes> out;
     {
       nb::gil_scoped_release release;
-      out = pub_.step(dte::publication::FlatAccess<Inverse>{&flat_});
+      out = pub_.step(Access{this});
     }
     if (!out) return std::nullopt;
     return to_python(*out);
   }
 
-  nb::bytes publish_full() {
+  nb::bytes publish_full(const std::vector<std::uintptr_t>& theta) {
+    set_theta(theta);
     Bytes out;
     {
       nb::gil_scoped_release release;
-      out = pub_.publish(dte::publication::FlatAccess<Inverse>{&flat_}, true);
+      out = pub_.publish(Access{this}, true);
     }
     return to_python(out);
   }
 
+  void commit() { pub_.commit(); }
+  void abort() { pub_.abort(); }
   void require_full() { pub_.require_full(); }
   void continue_after(std::uint64_t v) { pub_.continue_after(v); }
   // The step counts as they are now are the start of the next step (a new publisher over an
@@ -195,7 +224,7 @@ class PyPublisher {
   // optimizer steps, so the next publication is full.
   void resync(const std::vector<std::int64_t>& steps, bool full) {
     if (steps.size() != last_step_.size()) {
-      throw dte::invalid_argument("dte._native publisher: per-tensor lists of the wrong length");
+      throw dte::invalid_argument("dte._native publisher: per-slot lists of the wrong length");
     }
     last_step_ = steps;
     if (full) pub_.require_full();
@@ -206,22 +235,68 @@ class PyPublisher {
   [[nodiscard]] nb::dict last() const { return publish_dict(pub_.last()); }
 
  private:
-  // Each tensor's kernel inputs for this step. A tensor whose step count did not move was not
-  // updated (torch skips parameters without a gradient): its inverse is the identity (lr 0).
-  void bind(const std::vector<Group>& groups, const std::vector<std::uintptr_t>& a,
-            const std::vector<std::uintptr_t>& b, const std::vector<std::int64_t>& steps) {
-    const auto& hf = pub_.model();
-    const auto n = static_cast<std::size_t>(hf.size());
-    if (a.size() != n || b.size() != n || steps.size() != n) {
-      throw dte::invalid_argument("dte._native publisher: per-tensor lists of the wrong length");
+  // What the frame reads: each piece where it lives.
+  struct Access {
+    const PyPublisher* p;
+    [[nodiscard]] const Piece& piece(const dte::layout::PlanSegment& s) const {
+      return p->pieces_[static_cast<std::size_t>(p->pub_.plan().source(s))];
     }
+    [[nodiscard]] std::span<const float> segment_theta(std::int64_t, dte::layout::BufferKind,
+                                                       const dte::layout::PlanSegment& s) const {
+      const Piece& q = piece(s);
+      return {p->theta_[static_cast<std::size_t>(q.slot)] + q.offset,
+              static_cast<std::size_t>(q.length)};
+    }
+    [[nodiscard]] typename Inverse::hyperparameters hyperparameters(
+        std::int64_t, dte::layout::BufferKind, const dte::layout::PlanSegment& s) const {
+      return p->hyper_[static_cast<std::size_t>(piece(s).slot)];
+    }
+    [[nodiscard]] typename Inverse::state state(std::int64_t, dte::layout::BufferKind,
+                                                const dte::layout::PlanSegment& s) const {
+      const Piece& q = piece(s);
+      const auto k = static_cast<std::size_t>(q.slot);
+      const auto n = static_cast<std::size_t>(q.length);
+      if constexpr (std::is_same_v<Inverse, dte::SgdMomentumInverse>) {
+        return {std::span<const float>(p->s0_[k] + q.offset, n)};
+      } else {
+        return {std::span<const float>(p->s0_[k] + q.offset, n),
+                std::span<const float>(p->s1_[k] + q.offset, n)};
+      }
+    }
+  };
+
+  static std::vector<dte::layout::LocalPiece> local_pieces(
+      const std::vector<std::tuple<std::int64_t, std::int64_t, std::int64_t, bool, std::int64_t,
+                                   std::int64_t>>& pieces) {
+    std::vector<dte::layout::LocalPiece> out;
+    for (const auto& [tensor, index, length, sender, slot, offset] : pieces)
+      out.push_back({tensor, index, length, sender});
+    return out;
+  }
+
+  void set_theta(const std::vector<std::uintptr_t>& theta) {
+    if (theta.size() != numel_.size()) {
+      throw dte::invalid_argument("dte._native publisher: per-slot lists of the wrong length");
+    }
+    for (std::size_t k = 0; k < theta.size(); ++k)
+      theta_[k] = address<const float>(theta[k]);
+  }
+
+  // Each slot's kernel inputs for this step. A slot whose step count did not move was not
+  // updated (torch skips parameters without a gradient): its inverse is the identity (lr 0).
+  void bind(const std::vector<Group>& groups, const std::vector<std::uintptr_t>& theta,
+            const std::vector<std::uintptr_t>& a, const std::vector<std::uintptr_t>& b,
+            const std::vector<std::int64_t>& steps) {
+    const std::size_t n = numel_.size();
+    if (a.size() != n || b.size() != n || steps.size() != n) {
+      throw dte::invalid_argument("dte._native publisher: per-slot lists of the wrong length");
+    }
+    set_theta(theta);
+    if (zeros_.empty()) zeros_.assign(static_cast<std::size_t>(zeros_size_), 0.0f);
     for (std::size_t t = 0; t < n; ++t) {
-      const auto numel = static_cast<std::size_t>(hf[static_cast<std::int64_t>(t)].numel());
       if (group_of_[t] < 0) {
         // Frozen (in no parameter group): never updated, its inverse the identity.
-        if (zeros_.empty()) zeros_.assign(static_cast<std::size_t>(max_numel()), 0.0f);
-        set(t, {0.0, 0.0, 0.9, 0.999, 1e-8, 0.9, 0.0}, 1, false, zeros_.data(), zeros_.data(),
-            numel);
+        set(t, {0.0, 0.0, 0.9, 0.999, 1e-8, 0.9, 0.0}, 1, false, zeros_.data(), zeros_.data());
         continue;
       }
       const auto g = static_cast<std::size_t>(group_of_[t]);
@@ -233,8 +308,8 @@ class PyPublisher {
         pub_.require_full();
         last_step_ = steps;
         throw dte::protocol_error(
-            "tensor " + hf.name(static_cast<std::int64_t>(t)) + ": the optimizer's step count " +
-            "went from " + std::to_string(before) + " to " + std::to_string(steps[t]) +
+            "local tensor " + std::to_string(t) + ": the optimizer's step count went from " +
+            std::to_string(before) + " to " + std::to_string(steps[t]) +
             " between two calls of step(); dte inverts exactly one optimizer step per call "
             "(call pub.step() after every optimizer.step()). The next publication will be full");
       }
@@ -243,68 +318,106 @@ class PyPublisher {
       const float* s1 = address<const float>(b[t]);
       if (a[t] == 0 || (needs_second() && b[t] == 0)) {
         // No state: never updated (lr 0 below); zeros stand in for the moments.
-        // (allocated once at the largest tensor's size: earlier tensors keep pointers into it)
-        if (zeros_.empty()) zeros_.assign(static_cast<std::size_t>(max_numel()), 0.0f);
         s0 = zeros_.data();
         s1 = zeros_.data();
       }
-      set(t, G, moved ? steps[t] : std::max<std::int64_t>(steps[t], 1), moved, s0, s1, numel);
+      set(t, G, moved ? steps[t] : std::max<std::int64_t>(steps[t], 1), moved, s0, s1);
     }
-  }
-
-  [[nodiscard]] std::int64_t max_numel() const {
-    std::int64_t n = 0;
-    for (std::int64_t t = 0; t < pub_.model().size(); ++t)
-      n = std::max(n, pub_.model()[t].numel());
-    return n;
   }
 
   static constexpr bool needs_second() { return !std::is_same_v<Inverse, dte::SgdMomentumInverse>; }
 
   void set(std::size_t t, const Group& G, std::int64_t step, bool moved, const float* s0,
-           const float* s1, std::size_t numel) {
+           const float* s1) {
+    s0_[t] = s0;
+    s1_[t] = s1;
     if constexpr (std::is_same_v<Inverse, dte::SgdMomentumInverse>) {
-      flat_.hyper[t] = {.lr = moved ? G.lr : 0.0,
-                        .momentum = G.momentum,
-                        .dampening = G.dampening,
-                        .weight_decay = G.weight_decay};
-      flat_.state[t] = {std::span<const float>(s0, numel)};
+      hyper_[t] = {.lr = moved ? G.lr : 0.0,
+                   .momentum = G.momentum,
+                   .dampening = G.dampening,
+                   .weight_decay = G.weight_decay};
     } else {
-      flat_.hyper[t] = {
-          .lr = moved ? G.lr : 0.0,
-          .weight_decay = G.weight_decay,
-          .beta1 = G.beta1,
-          .beta2 = G.beta2,
-          .eps = G.eps,
-          .step = step,
-          .decay_form = decoupled_ ? dte::DecayForm::multiply : dte::DecayForm::unknown};
-      flat_.state[t] = {std::span<const float>(s0, numel), std::span<const float>(s1, numel)};
+      hyper_[t] = {.lr = moved ? G.lr : 0.0,
+                   .weight_decay = G.weight_decay,
+                   .beta1 = G.beta1,
+                   .beta2 = G.beta2,
+                   .eps = G.eps,
+                   .step = step,
+                   .decay_form = decoupled_ ? dte::DecayForm::multiply : dte::DecayForm::unknown};
     }
   }
 
-  dte::publication::Publisher<Inverse, dte::BF16Detect> pub_;
-  std::vector<std::int64_t> group_of_;
+  Pub pub_;
+  std::vector<Piece> pieces_;
+  std::vector<std::int64_t> numel_;     // per slot
+  std::vector<std::int64_t> group_of_;  // per slot (-1: frozen)
   bool decoupled_;
-  dte::publication::FlatTrainer<Inverse> flat_;
+  std::vector<const float*> theta_;
+  std::vector<typename Inverse::hyperparameters> hyper_;
+  std::vector<const float*> s0_, s1_;
   std::vector<std::int64_t> last_step_;
+  std::int64_t zeros_size_ = 0;
   std::vector<float> zeros_;
 };
 
 template <class Inverse>
 void bind_publisher(nb::module_& m, const char* name) {
-  nb::class_<PyPublisher<Inverse>>(m, name)
-      .def(nb::init<const std::string&, std::int64_t, int, bool, std::uintptr_t, std::int64_t,
-                    std::vector<std::int64_t>, bool>(),
-           "config"_a, "publish_every"_a, "zstd_level"_a, "diff"_a, "theta"_a, "numel"_a,
-           "group_of"_a, "decoupled"_a)
-      .def("step", &PyPublisher<Inverse>::step)
-      .def("publish_full", &PyPublisher<Inverse>::publish_full)
-      .def("require_full", &PyPublisher<Inverse>::require_full)
-      .def("resync", &PyPublisher<Inverse>::resync)
-      .def("continue_after", &PyPublisher<Inverse>::continue_after)
-      .def_prop_ro("version", &PyPublisher<Inverse>::version)
-      .def("digest", &PyPublisher<Inverse>::digest)
-      .def("last", &PyPublisher<Inverse>::last);
+  using P = PyPublisher<Inverse>;
+  nb::class_<P>(m, name)
+      .def(nb::init<const std::string&, std::int64_t, int, bool,
+                    const std::vector<std::tuple<std::int64_t, std::int64_t, std::int64_t, bool,
+                                                 std::int64_t, std::int64_t>>&,
+                    std::vector<std::int64_t>, std::vector<std::int64_t>, bool, std::uint32_t,
+                    std::uint32_t>(),
+           "config"_a, "publish_every"_a, "zstd_level"_a, "diff"_a, "pieces"_a, "slot_numel"_a,
+           "slot_group"_a, "decoupled"_a, "writer"_a, "writers"_a)
+      .def("step", &P::step)
+      .def("publish_full", &P::publish_full)
+      .def("commit", &P::commit)
+      .def("abort", &P::abort)
+      .def("require_full", &P::require_full)
+      .def("resync", &P::resync)
+      .def("continue_after", &P::continue_after)
+      .def_prop_ro("version", &P::version)
+      .def("digest", &P::digest)
+      .def("last", &P::last);
+}
+
+// The writers' parts of one version as one message.
+nb::bytes merge(const std::string& config, const std::vector<nb::bytes>& parts) {
+  std::vector<std::span<const std::byte>> views;
+  for (const nb::bytes& p : parts)
+    views.push_back(view(p));
+  Bytes out;
+  {
+    nb::gil_scoped_release release;
+    out = dte::publication::merge(model_of(config), views);
+  }
+  return to_python(out);
+}
+
+// Every writer's pieces (tensor, index, length, sender): each element sent exactly once.
+void check_writers(
+    const std::string& config,
+    const std::vector<std::vector<std::tuple<std::int64_t, std::int64_t, std::int64_t, bool>>>&
+        writers) {
+  const dte::layout::ModelSpec spec = dte::publication::named_by_structure(model_of(config));
+  const dte::layout::HfModel hf(spec);
+  std::vector<std::vector<dte::layout::LocalPiece>> w;
+  for (const auto& list : writers) {
+    auto& out = w.emplace_back();
+    for (const auto& [tensor, index, length, sender] : list)
+      out.push_back({tensor, index, length, sender});
+  }
+  dte::layout::check_writers(hf, w);
+}
+
+// The manifest's digest of a message (per canonical tensor) and its version.
+nb::tuple message_digest(const std::string& config, const nb::bytes& msg) {
+  const dte::layout::ModelSpec spec = dte::publication::named_by_structure(model_of(config));
+  const dte::layout::HfModel hf(spec);
+  const auto v = dte::publication::decode(hf, view(msg), "publication");
+  return nb::make_tuple(v.manifest.version, v.manifest.digest);
 }
 
 std::vector<std::span<std::uint16_t>> spans(const std::vector<std::uintptr_t>& ptrs,
@@ -482,6 +595,9 @@ NB_MODULE(_native, m) {
   m.def("shard_info", &shard_info, "config"_a, "tp"_a, "ep"_a = 1);
   m.def("message_config", &message_config, "message"_a);
   m.def("check_replica", &check_replica, "ranks"_a, "digest"_a);
+  m.def("merge", &merge, "config"_a, "parts"_a);
+  m.def("check_writers", &check_writers, "config"_a, "writers"_a);
+  m.def("message_digest", &message_digest, "config"_a, "message"_a);
   m.def("check_replica_digests", &check_replica_digests, "config"_a, "tp"_a, "ep"_a,
         "rank_digests"_a, "digest"_a);
 

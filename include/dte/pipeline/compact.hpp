@@ -34,4 +34,17 @@ std::size_t compact(const std::uint64_t* words, std::size_t n, const float* thet
   return k;
 }
 
+// The same, the offsets only (the caller reads each bit's value where it lives).
+inline std::size_t compact_offsets(const std::uint64_t* words, std::size_t n,
+                                   std::uint32_t* offsets) noexcept {
+  std::size_t k = 0;
+  const std::size_t n_words = (n + 63) / 64;
+  for (std::size_t w = 0; w < n_words; ++w) {
+    for (std::uint64_t m = words[w]; m != 0; m &= m - 1)
+      offsets[k++] =
+          static_cast<std::uint32_t>(w * 64 + static_cast<std::size_t>(std::countr_zero(m)));
+  }
+  return k;
+}
+
 }  // namespace dte::pipeline

@@ -70,6 +70,23 @@ class SenderFrame {
         plan_(hf, train, rank),
         table_(plan_, hf, receivers),
         exec_(exec) {
+    init(keep_mask);
+  }
+
+  // The same over a plan the caller built (layout::LocalShardPlan: pieces a sharded PyTorch
+  // trainer rank holds), for a sink that writes canonical coordinates.
+  SenderFrame(const layout::HfModel& hf, Plan plan, std::int64_t rank, bool keep_mask, Exec exec)
+      : hf_(&hf),
+        receivers_(nullptr),
+        rank_(rank),
+        plan_(std::move(plan)),
+        table_(plan_, hf, nullptr),
+        exec_(exec) {
+    init(keep_mask);
+  }
+
+ private:
+  void init(bool keep_mask) {
     for (layout::BufferKind b : buffers) {
       if (keep_mask) {
         masks_[idx(b)].assign((static_cast<std::size_t>(plan_.shard_size(b)) + 63) / 64, 0);
@@ -88,6 +105,7 @@ class SenderFrame {
     scratch_.resize(static_cast<std::size_t>(std::max(1, exec_.threads())));
   }
 
+ public:
   // One tile's buffers between the stages. The frame reuses one per executor thread, tile after
   // tile; the benchmark keeps one per tile to time each stage on its own.
   struct Tile {
@@ -179,27 +197,32 @@ class SenderFrame {
   // the plan leaves empty is never read, so what the accessor returns for it is not checked.
   template <class Access>
   void check_trainer(const Access& access) {
-    std::int64_t want[2], held[2];
-    for (layout::BufferKind b : buffers) {
-      want[idx(b)] = plan_.shard_size(b);
-      held[idx(b)] =
-          want[idx(b)] == 0 ? 0 : static_cast<std::int64_t>(access.theta(rank_, b).size());
-    }
-    if constexpr (std::is_same_v<Plan, layout::TransferPlan>) {
-      if constexpr (requires { access.parameters(rank_); }) {
-        if (!parameters_checked_) {
-          layout::check_parameters(hf_->spec(), train_, rank_, access.parameters(rank_));
-          parameters_checked_ = true;
-        }
-      }
-      layout::check_shard_sizes(hf_->spec(), train_, rank_, want, held);
+    if constexpr (segmented<Access>) {
+      // (each segment's weights apart: weights() checks each one's size as it binds it)
+      return;
     } else {
-      for (int k = 0; k < 2; ++k) {
-        if (want[k] != held[k]) {
-          throw invalid_argument("trainer rank " + std::to_string(rank_) + "'s " +
-                                 (k == 0 ? "dense" : "expert") + " shard has " +
-                                 std::to_string(held[k]) + " elements where the plan expects " +
-                                 std::to_string(want[k]) + ". Nothing was sent.");
+      std::int64_t want[2], held[2];
+      for (layout::BufferKind b : buffers) {
+        want[idx(b)] = plan_.shard_size(b);
+        held[idx(b)] =
+            want[idx(b)] == 0 ? 0 : static_cast<std::int64_t>(access.theta(rank_, b).size());
+      }
+      if constexpr (std::is_same_v<Plan, layout::TransferPlan>) {
+        if constexpr (requires { access.parameters(rank_); }) {
+          if (!parameters_checked_) {
+            layout::check_parameters(hf_->spec(), train_, rank_, access.parameters(rank_));
+            parameters_checked_ = true;
+          }
+        }
+        layout::check_shard_sizes(hf_->spec(), train_, rank_, want, held);
+      } else {
+        for (int k = 0; k < 2; ++k) {
+          if (want[k] != held[k]) {
+            throw invalid_argument("trainer rank " + std::to_string(rank_) + "'s " +
+                                   (k == 0 ? "dense" : "expert") + " shard has " +
+                                   std::to_string(held[k]) + " elements where the plan expects " +
+                                   std::to_string(want[k]) + ". Nothing was sent.");
+          }
         }
       }
     }
@@ -213,12 +236,37 @@ class SenderFrame {
   void bind(const Access& access, layout::BufferKind b) {
     auto& ks = kernels_[idx(b)];
     ks.clear();
-    const std::span<const float> theta = access.theta(rank_, b);
     for (const layout::PlanSegment& s : plan_.segments(b)) {
-      const auto part = theta.subspan(static_cast<std::size_t>(s.shard_begin),
-                                      static_cast<std::size_t>(s.length));
-      ks.push_back(Inverse::bind_unchecked(access.hyperparameters(rank_, b, s), part,
-                                           access.state(rank_, b, s), label(s)));
+      ks.push_back(Inverse::bind_unchecked(access.hyperparameters(rank_, b, s),
+                                           weights(access, b, s), access.state(rank_, b, s),
+                                           label(s)));
+    }
+  }
+
+  // Whether the accessor gives each plan segment's weights apart (access.segment_theta(rank, b,
+  // segment): a sharded PyTorch trainer's local tensors) instead of one span per buffer. The
+  // stages then take an empty buffer span and read each segment where it lives.
+  template <class Access>
+  static constexpr bool segmented = requires(const Access& a, std::int64_t r, layout::BufferKind b,
+                                             const layout::PlanSegment& s) {
+    a.segment_theta(r, b, s);
+  };
+
+  // Segment s's weights (s.length of them).
+  template <class Access>
+  [[nodiscard]] std::span<const float> weights(const Access& access, layout::BufferKind b,
+                                               const layout::PlanSegment& s) const {
+    if constexpr (segmented<Access>) {
+      const std::span<const float> w = access.segment_theta(rank_, b, s);
+      if (static_cast<std::int64_t>(w.size()) != s.length) {
+        throw invalid_argument(label(s) + ": the accessor gives " + std::to_string(w.size()) +
+                               " weights for a piece of " + std::to_string(s.length) +
+                               " elements. Nothing was sent.");
+      }
+      return w;
+    } else {
+      return access.theta(rank_, b).subspan(static_cast<std::size_t>(s.shard_begin),
+                                            static_cast<std::size_t>(s.length));
     }
   }
 
@@ -259,7 +307,7 @@ class SenderFrame {
       Digest digest = 0;
       if (mode == ScanMode::all) {
         if (!send) continue;
-        digest = pipeline::store_piece<Detect>(theta.data() + lo, len, canonical,
+        digest = pipeline::store_piece<Detect>(at(theta, b, run, lo), len, canonical,
                                                s.bits.data() + (lo - begin));
         s.scanned += len;
       } else {
@@ -288,14 +336,27 @@ class SenderFrame {
     return true;
   }
 
-  // Stage 2: the flagged offsets of the tile and their bits.
+  // Stage 2: the flagged offsets of the tile and their bits (theta empty: a segmented accessor's,
+  // each read where its segment lives).
   void compact_tile(std::span<const float> theta, layout::BufferKind b, std::size_t t, Tile& s) {
     const std::int64_t begin = static_cast<std::int64_t>(t) * tile;
     const auto n = static_cast<std::size_t>(std::min(plan_.shard_size(b), begin + tile) - begin);
     s.offsets.resize(n);
     s.bits.resize(n);
-    s.compacted = pipeline::compact<Detect>(s.words.data(), n, theta.data() + begin,
-                                            s.offsets.data(), s.bits.data());
+    if (!theta.empty()) {
+      s.compacted = pipeline::compact<Detect>(s.words.data(), n, theta.data() + begin,
+                                              s.offsets.data(), s.bits.data());
+      return;
+    }
+    s.compacted = pipeline::compact_offsets(s.words.data(), n, s.offsets.data());
+    const auto runs = table_.runs(b);
+    std::uint32_t r = tile_run_[idx(b)][t];
+    for (std::size_t k = 0; k < s.compacted; ++k) {
+      const std::int64_t o = begin + s.offsets[k];
+      while (runs[r].shard_begin + runs[r].length <= o)
+        ++r;
+      s.bits[k] = Detect::store(*at(theta, b, runs[r], o));
+    }
   }
 
   // Stage 3 of the routing sink: every receiver copy of the compacted elements (the frame was
@@ -366,6 +427,14 @@ class SenderFrame {
                                                     layout::BufferKind::expert};
   static int idx(layout::BufferKind b) noexcept { return static_cast<int>(b); }
 
+  // The weight at shard offset o of run (buffer b): in theta, or (theta empty) in its segment.
+  [[nodiscard]] const float* at(std::span<const float> theta, layout::BufferKind b,
+                                const pipeline::Run& run, std::int64_t o) const noexcept {
+    if (!theta.empty()) return theta.data() + o;
+    const layout::PlanSegment& seg = plan_.segments(b)[static_cast<std::size_t>(run.segment)];
+    return segment_theta_[idx(b)][static_cast<std::size_t>(run.segment)] + (o - seg.shard_begin);
+  }
+
   // The sink of mark(): nothing is written.
   struct Marking {
     void prepare(const SenderFrame&, layout::BufferKind, std::size_t, Tile&) {}
@@ -384,10 +453,8 @@ class SenderFrame {
   [[noreturn]] void refuse(const Access& access, layout::BufferKind b) {
     const layout::PlanSegment& s = plan_.segments(b)[static_cast<std::size_t>(invalid_segment_)];
     invalid_segment_ = -1;
-    const std::span<const float> theta = access.theta(rank_, b).subspan(
-        static_cast<std::size_t>(s.shard_begin), static_cast<std::size_t>(s.length));
-    (void)Inverse::bind(access.hyperparameters(rank_, b, s), theta, access.state(rank_, b, s),
-                        label(s));
+    (void)Inverse::bind(access.hyperparameters(rank_, b, s), weights(access, b, s),
+                        access.state(rank_, b, s), label(s));
     throw invalid_argument(label(s) + ": the optimizer state failed an element check that " +
                            std::string(Inverse::name) +
                            "::bind accepts; report this to the "
@@ -401,7 +468,15 @@ class SenderFrame {
                    ScanResult& out, Sink& sink) {
     using pipeline::ScanMode;
     if (plan_.shard_size(b) == 0) return;
-    const std::span<const float> theta = access.theta(rank_, b);
+    std::span<const float> theta;
+    if constexpr (segmented<Access>) {
+      auto& w = segment_theta_[idx(b)];
+      w.clear();
+      for (const layout::PlanSegment& s : plan_.segments(b))
+        w.push_back(weights(access, b, s).data());
+    } else {
+      theta = access.theta(rank_, b);
+    }
     std::atomic<bool> stop{false};  // a refusal: later tiles need not be looked at
     auto par = [&](std::size_t t, int worker) {
       Tile& s = scratch_[static_cast<std::size_t>(worker)];
@@ -446,10 +521,11 @@ class SenderFrame {
   Plan plan_;
   pipeline::RunTable table_;
   Exec exec_;
-  std::vector<std::uint32_t> tile_run_[2];  // per buffer: the first run of each tile (+ end)
-  std::vector<kernel> kernels_[2];          // per buffer: the inverse of each plan segment
-  std::vector<std::uint64_t> masks_[2];     // K > 1: one bit per shard element, per buffer
-  std::vector<Tile> scratch_;               // one per executor thread
+  std::vector<std::uint32_t> tile_run_[2];      // per buffer: the first run of each tile (+ end)
+  std::vector<kernel> kernels_[2];              // per buffer: the inverse of each plan segment
+  std::vector<std::uint64_t> masks_[2];         // K > 1: one bit per shard element, per buffer
+  std::vector<const float*> segment_theta_[2];  // a segmented accessor's, per plan segment
+  std::vector<Tile> scratch_;                   // one per executor thread
   std::int32_t invalid_segment_ = -1;
 };
 

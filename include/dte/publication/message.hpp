@@ -12,7 +12,9 @@
 //   chunks       the manifest's chunks, back to back, in its order (storage/chunk.hpp)
 //
 // The manifest is storage's own: version, base (null: a full publication), per canonical tensor
-// the digest of the trainer's BF16 state after this version, and each chunk's size and xxh3. So
+// the digest of the trainer's BF16 state after this version, and each chunk's size and xxh3 (and
+// its writer: a sharded trainer's ranks each write their part, and merge() lists the parts'
+// chunks writer by writer, each writer's numbered from 0, and sums their digests). So
 // a publication written to storage is its chunks as files plus its manifest, and a storage
 // version read back is a publication (publication/storage.hpp). The manifest's model is the
 // model's structure (ModelSpec::structure()), so two sides that name one model differently still
@@ -44,6 +46,9 @@ namespace dte::publication {
 
 inline constexpr std::string_view magic = "DTEPUB1\n";
 inline constexpr std::string_view format = "dte-publication-v1";
+// One writer's part of a publication (a sharded trainer's rank): the same framing, for merge()
+// only, so no receiver mistakes a part for a publication.
+inline constexpr std::string_view part_format = "dte-publication-part-v1";
 // A header is a few hundred bytes per 64 tensors; 64 MiB leaves room for 10^5 chunks.
 inline constexpr std::uint32_t max_header_bytes = std::uint32_t{64} << 20;
 
@@ -57,14 +62,14 @@ inline layout::ModelSpec named_by_structure(layout::ModelSpec m) {
 
 // The message of `manifest` (model named by structure, chunks listed in order) with `chunks`.
 inline Bytes encode(const layout::ModelSpec& model, const storage::Manifest& manifest,
-                    std::span<const Bytes> chunks) {
+                    std::span<const Bytes> chunks, std::string_view what = format) {
   if (chunks.size() != manifest.chunks.size()) {
     throw invalid_argument("dte::publication::encode: the manifest lists " +
                            std::to_string(manifest.chunks.size()) + " chunks, given " +
                            std::to_string(chunks.size()));
   }
   nlohmann::ordered_json h;
-  h["format"] = format;
+  h["format"] = what;
   h["config"] = io::config_json(model);
   h["manifest"] = nlohmann::ordered_json::parse(storage::manifest_json(manifest));
   const std::string text = h.dump();
@@ -95,7 +100,8 @@ struct Envelope {
   std::span<const std::byte> body;  // the chunks
 };
 
-inline Envelope envelope(std::span<const std::byte> bytes, const std::string& source) {
+inline Envelope envelope(std::span<const std::byte> bytes, const std::string& source,
+                         std::string_view what = format) {
   if (bytes.size() < magic.size() + 4 ||
       std::memcmp(bytes.data(), magic.data(), magic.size()) != 0) {
     throw format_error(source +
@@ -116,8 +122,16 @@ inline Envelope envelope(std::span<const std::byte> bytes, const std::string& so
   const io::JsonReader r(source);
   if (!h.is_object()) r.fail("", "is not a JSON object");
   storage::detail::only_keys(r, h, {"format", "config", "manifest"}, "");
-  if (r.string(h, "format", "") != format) {
-    r.fail("format", "is not \"" + std::string(format) + "\" (a newer or foreign writer)");
+  const std::string f = r.string(h, "format", "");
+  if (f != what) {
+    if (f == part_format) {
+      throw format_error(source + ": one writer's part of a publication, not a publication; " +
+                         "merge the parts of every trainer rank (dte::publication::merge)");
+    }
+    if (f == format) {
+      throw format_error(source + ": a whole publication where one writer's part was expected");
+    }
+    r.fail("format", "is not \"" + std::string(what) + "\" (a newer or foreign writer)");
   }
   Envelope e;
   e.config = r.member(h, "config", "");
@@ -135,20 +149,21 @@ struct View {
 };
 
 inline View decode(const layout::HfModel& hf, std::span<const std::byte> bytes,
-                   const std::string& source) {
-  Envelope e = envelope(bytes, source);
+                   const std::string& source, std::string_view what = format) {
+  Envelope e = envelope(bytes, source, what);
   View v;
   v.manifest = storage::manifest_from_json(e.manifest, source + " manifest", hf);
-  if (v.manifest.writers != 1) {
-    throw protocol_error(source + ": written by " + std::to_string(v.manifest.writers) +
-                         " trainer ranks; a publication message has one writer");
-  }
   std::size_t at = 0;
   for (std::size_t k = 0; k < v.manifest.chunks.size(); ++k) {
     const storage::ChunkEntry& c = v.manifest.chunks[k];
-    if (c.chunk != k) {
-      throw protocol_error(source + ": chunk " + std::to_string(k) + " of the manifest says " +
-                           "it is number " + std::to_string(c.chunk) + "; chunks are in order");
+    const storage::ChunkEntry* prev = k == 0 ? nullptr : &v.manifest.chunks[k - 1];
+    const bool next = prev != nullptr && c.writer == prev->writer
+                          ? c.chunk == prev->chunk + 1
+                          : c.chunk == 0 && (prev == nullptr || c.writer > prev->writer);
+    if (!next) {
+      throw protocol_error(source + ": entry " + std::to_string(k) + " of the manifest is chunk " +
+                           std::to_string(c.chunk) + " of writer " + std::to_string(c.writer) +
+                           "; chunks are listed writer by writer, each writer's numbered from 0");
     }
     if (c.bytes > e.body.size() - at) {
       throw format_error(source + ": chunk " + std::to_string(k) + " of " +
@@ -176,11 +191,59 @@ inline std::vector<storage::Chunk> chunks(const layout::HfModel& hf, const View&
   std::vector<storage::Chunk> out;
   for (std::size_t k = 0; k < v.chunks.size(); ++k) {
     const storage::ChunkHeader expect{v.manifest.version, v.manifest.base,
-                                      static_cast<std::uint32_t>(k), 0};
+                                      v.manifest.chunks[k].chunk, v.manifest.chunks[k].writer};
     out.push_back(
         storage::decode_chunk(hf, v.chunks[k], source + " chunk " + std::to_string(k), &expect));
   }
   return out;
+}
+
+// The parts of one version (parts[w]: writer w's, as its Publisher returned it) as one
+// message: every part checked as decode() checks a message, all of the same model, version and
+// base and of this many writers, each holding only its writer's chunks; the chunks listed writer
+// by writer, the changed counts and the digests summed (each writer's digest covers what it
+// sends; together they send every element once).
+inline Bytes merge(const layout::ModelSpec& model,
+                   std::span<const std::span<const std::byte>> parts) {
+  const layout::ModelSpec spec = named_by_structure(model);
+  const layout::HfModel hf(spec);
+  if (parts.empty()) throw invalid_argument("dte::publication::merge: no parts");
+  storage::Manifest m;
+  std::vector<Bytes> blobs;
+  for (std::size_t w = 0; w < parts.size(); ++w) {
+    const std::string who = "part " + std::to_string(w);
+    View v = decode(hf, parts[w], who, part_format);
+    const storage::Manifest& p = v.manifest;
+    if (p.writers != parts.size()) {
+      throw protocol_error(who + " is one of " + std::to_string(p.writers) + " writers' parts; " +
+                           std::to_string(parts.size()) + " parts were given");
+    }
+    if (w == 0) {
+      m.model = p.model;
+      m.version = p.version;
+      m.base = p.base;
+      m.writers = p.writers;
+      m.digest.assign(p.digest.size(), 0);
+    } else if (p.version != m.version || p.base != m.base) {
+      throw protocol_error(who + " is of version " + std::to_string(p.version) + " on base " +
+                           (p.anchor() ? std::string("none") : std::to_string(p.base)) +
+                           ", part 0 of version " + std::to_string(m.version) + " on base " +
+                           (m.anchor() ? std::string("none") : std::to_string(m.base)) +
+                           "; the writers disagree on the version (one of them missed a step)");
+    }
+    for (std::size_t k = 0; k < p.chunks.size(); ++k) {
+      if (p.chunks[k].writer != w) {
+        throw protocol_error(who + " holds a chunk of writer " +
+                             std::to_string(p.chunks[k].writer) + "; parts are in writer order");
+      }
+      m.chunks.push_back(p.chunks[k]);
+      blobs.emplace_back(v.chunks[k].begin(), v.chunks[k].end());
+    }
+    m.changed += p.changed;
+    for (std::size_t t = 0; t < p.digest.size(); ++t)
+      m.digest[t] += p.digest[t];
+  }
+  return encode(spec, m, blobs);
 }
 
 }  // namespace dte::publication

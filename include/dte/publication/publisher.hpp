@@ -1,18 +1,24 @@
 // SPDX-License-Identifier: Apache-2.0
-// publication::Publisher: one trainer that holds the whole model in HF layout (a PyTorch model,
-// a user's own loop: the Identity layout) publishes self-contained messages
-// (publication/message.hpp) instead of sending to receivers it knows. The sender frame is the
-// engine's (pipeline/frame.hpp: validate, reconstruct, detect with the guard band, compact, the
-// K-step dirty mask); its sink is storage's chunk sink, in memory.
+// publication::Publisher: a trainer publishes self-contained messages
+// (publication/message.hpp) instead of sending to receivers it knows. Either one trainer that
+// holds the whole model in HF layout (a PyTorch model, a user's own loop: the Identity layout),
+// or one writer of several: each rank of a sharded trainer holds pieces of HF tensors
+// (layout/local_shards.hpp) and publishes its part; merge() (publication/message.hpp) makes the
+// parts of one version one message. The sender frame is the engine's (pipeline/frame.hpp:
+// validate, reconstruct, detect with the guard band, compact, the K-step dirty mask); its sink is
+// storage's chunk sink, in memory.
 //
 // One publication, top to bottom:
 //   1. the kind: full for the first one, after any refusal or failure (nothing is known about
 //      what the refused step changed), and on request; else a delta on the version last returned;
-//   2. the staged pass over the flat buffer (all: every element; detect: this step's changes;
+//   2. the staged pass over this rank's weights (all: every element; detect: this step's changes;
 //      mask: everything the dirty mask gathered over the last publish_every steps);
-//   3. the chunks (zstd; at most chunk_entries elements each), the manifest with the trainer's
-//      digest per canonical tensor, the message. A refusal throws before any of it and returns
-//      nothing; the version number is not used up.
+//   3. the chunks (zstd; at most chunk_entries elements each), the manifest with the digest per
+//      canonical tensor of what this rank sends, the message (a part, with several writers). A
+//      refusal throws before any of it and returns nothing; the version number is not used up;
+//   4. with several writers, the caller learns whether every writer got this far and then calls
+//      commit() (the version is published) or abort() (it is not; the next one is full), on
+//      every writer alike. With one writer, publish() and step() commit themselves.
 // Between publications, step() ORs each optimizer step's changes into the dirty mask.
 #pragma once
 
@@ -31,6 +37,7 @@
 #include "dte/exec/host.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/identity.hpp"
+#include "dte/layout/local_shards.hpp"
 #include "dte/pipeline/frame.hpp"
 #include "dte/publication/message.hpp"
 #include "dte/storage/chunk_sink.hpp"
@@ -91,33 +98,65 @@ struct PublishReport {
   [[nodiscard]] bool full() const noexcept { return base == no_version; }
 };
 
-template <optimizer_inverse Inverse, change_detector Detect>
+// Which writer of a publication this publisher is: rank `rank` of `count`.
+struct Writer {
+  std::uint32_t rank = 0;
+  std::uint32_t count = 1;
+};
+
+template <optimizer_inverse Inverse, change_detector Detect, class Plan = layout::IdentityPlan>
 class Publisher {
  public:
-  using Sender = SenderFrame<Inverse, Detect, layout::IdentityPlan, HostExecutor>;
+  using Sender = SenderFrame<Inverse, Detect, Plan, HostExecutor>;
 
-  Publisher(const layout::ModelSpec& model, PublisherConfig cfg = {}, HostExecutor exec = {})
+  // One trainer holding the whole model (the flat buffer of FlatTrainer).
+  Publisher(const layout::ModelSpec& model, PublisherConfig cfg = {},
+            HostExecutor exec = {}) requires std::same_as<Plan, layout::IdentityPlan>
       : spec_(named_by_structure(model)),
         hf_(spec_),
         cfg_(checked(cfg)),
         schedule_(cfg_.publish_every),
         sender_(hf_, layout::TrainTopology{}, nullptr, 0, schedule_.keeps_mask(), exec) {}
 
+  // Writer `writer` of a sharded trainer, holding `pieces` (every writer's pieces together hold
+  // each element once: layout::check_writers).
+  Publisher(const layout::ModelSpec& model, const std::vector<layout::LocalPiece>& pieces,
+            Writer writer, PublisherConfig cfg = {},
+            HostExecutor exec = {}) requires std::same_as<Plan, layout::LocalShardPlan>
+      : spec_(named_by_structure(model)),
+        hf_(spec_),
+        cfg_(checked(cfg)),
+        writer_(checked(writer)),
+        schedule_(cfg_.publish_every),
+        sender_(hf_, layout::LocalShardPlan(hf_, pieces, writer.rank), writer.rank,
+                schedule_.keeps_mask(), exec) {}
+
   Publisher(const Publisher&) = delete;
   Publisher& operator=(const Publisher&) = delete;
 
   [[nodiscard]] const layout::HfModel& model() const noexcept { return hf_; }
+  [[nodiscard]] const Plan& plan() const noexcept { return sender_.plan(); }
+  [[nodiscard]] Writer writer() const noexcept { return writer_; }
   [[nodiscard]] Version version() const noexcept { return version_; }
-  // Per canonical tensor: the trainer's BF16 state as of the last publication.
+  // Per canonical tensor: the digest of the trainer's BF16 state as of the last publication
+  // (with several writers, of the elements this one sends: the writers' digests sum to it).
   [[nodiscard]] const std::vector<Digest>& digest() const noexcept { return digest_; }
   [[nodiscard]] const PublishReport& last() const noexcept { return last_; }
+  // Whether a part awaits commit() or abort().
+  [[nodiscard]] bool pending() const noexcept { return pending_.has_value(); }
 
   // After every optimizer step: a message every publish_every steps, else nothing (this step's
   // changes ORed into the dirty mask). A refusal throws; the next publication is then full.
+  // With several writers the message is this writer's part, pending until commit() / abort().
   template <class Access>
   std::optional<Bytes> step(const Access& access) {
     if (!schedule_.step()) {
-      schedule_.mark([&] { (void)sender_.mark(access); });
+      try {
+        schedule_.mark([&] { (void)sender_.mark(access); });
+      } catch (...) {
+        schedule_.require_full();
+        throw;
+      }
       return std::nullopt;
     }
     return publish(access, false);
@@ -127,6 +166,11 @@ class Publisher {
   // or, want_full, every element.
   template <class Access>
   Bytes publish(const Access& access, bool want_full) {
+    if (pending_) {
+      throw protocol_error(
+          "publication::Publisher: version " + std::to_string(pending_->version) +
+          " awaits commit() or abort(); every writer decides on one version before the next");
+    }
     const auto t0 = std::chrono::steady_clock::now();
     const PublicationSchedule::Pass pass = schedule_.next(want_full);
     const bool full = pass.full();
@@ -141,13 +185,14 @@ class Publisher {
         scan = sender_.scan(access, pass.mode, sink);
         m.chunks = sink.written();
       };
+      const storage::ChunkHeader header{v, base, 0, writer_.rank};
       // (diff needs the base to be the previous optimizer step: one step since the last one)
       if (cfg_.encoding == storage::Encoding::diff && !full && pass.steps == 1) {
-        storage::ChunkSink<true, storage::ChunkMemory> sink(hf_, {v, base, 0, 0}, cfg_.zstd_level,
+        storage::ChunkSink<true, storage::ChunkMemory> sink(hf_, header, cfg_.zstd_level,
                                                             cfg_.chunk_entries, {&blobs, full});
         write_chunks(sink);
       } else {
-        storage::ChunkSink<false, storage::ChunkMemory> sink(hf_, {v, base, 0, 0}, cfg_.zstd_level,
+        storage::ChunkSink<false, storage::ChunkMemory> sink(hf_, header, cfg_.zstd_level,
                                                              cfg_.chunk_entries, {&blobs, full});
         write_chunks(sink);
       }
@@ -155,29 +200,45 @@ class Publisher {
       schedule_.require_full();
       throw;
     }
-    if (pass.clears_masks()) sender_.clear_masks();
-    schedule_.published();
     m.model = spec_.name;
     m.version = v;
     m.base = base;
-    m.writers = 1;
+    m.writers = writer_.count;
     m.changed = scan.changed;
     m.digest = scan.digest;
-    Bytes out = encode(spec_, m, blobs);
-    version_ = v;
-    digest_ = std::move(scan.digest);
-    last_ = {};
-    last_.version = v;
-    last_.base = base;
-    last_.changed = scan.changed;
-    last_.scanned = scan.scanned;
-    last_.guard = scan.guard;
-    last_.bytes = out.size();
-    last_.dense_bytes = 2 * static_cast<std::uint64_t>(hf_.total());
-    for (Digest d : digest_)
-      last_.digest += d;
-    last_.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    Bytes out = encode(spec_, m, blobs, writer_.count == 1 ? format : part_format);
+    PublishReport rep;
+    rep.version = v;
+    rep.base = base;
+    rep.changed = scan.changed;
+    rep.scanned = scan.scanned;
+    rep.guard = scan.guard;
+    rep.bytes = out.size();
+    rep.dense_bytes = 2 * static_cast<std::uint64_t>(hf_.total());
+    for (Digest d : scan.digest)
+      rep.digest += d;
+    rep.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    pending_ = Pending{v, pass.clears_masks(), std::move(scan.digest), rep};
+    if (writer_.count == 1) commit();
     return out;
+  }
+
+  // Every writer produced its part of the pending version: it is published.
+  void commit() {
+    if (!pending_) throw protocol_error("publication::Publisher::commit: no version is pending");
+    if (pending_->clears_masks) sender_.clear_masks();
+    schedule_.published();
+    version_ = pending_->version;
+    digest_ = std::move(pending_->digest);
+    last_ = pending_->report;
+    pending_.reset();
+  }
+
+  // Some writer failed: the pending version (if any) is not published, and the next
+  // publication is full (nothing is known about what the failed step changed).
+  void abort() noexcept {
+    pending_.reset();
+    schedule_.require_full();
   }
 
   // The next publication is full whatever happens (the caller lost track of the steps).
@@ -202,6 +263,14 @@ class Publisher {
   }
 
  private:
+  static Writer checked(Writer w) {
+    if (w.count < 1 || w.rank >= w.count) {
+      throw invalid_argument("publication::Publisher: writer " + std::to_string(w.rank) + " of " +
+                             std::to_string(w.count) + " does not exist");
+    }
+    return w;
+  }
+
   static PublisherConfig checked(const PublisherConfig& c) {
     if (c.publish_every < 1 || c.zstd_level < 1 || c.zstd_level > 19 || c.chunk_entries < 1) {
       throw invalid_argument(
@@ -211,14 +280,23 @@ class Publisher {
     return c;
   }
 
+  struct Pending {
+    Version version;
+    bool clears_masks;
+    std::vector<Digest> digest;
+    PublishReport report;
+  };
+
   layout::ModelSpec spec_;
   layout::HfModel hf_;
   PublisherConfig cfg_;
+  Writer writer_;
   PublicationSchedule schedule_;
   Sender sender_;
   Version version_ = 0;
   std::vector<Digest> digest_;
   PublishReport last_;
+  std::optional<Pending> pending_;
 };
 
 }  // namespace dte::publication

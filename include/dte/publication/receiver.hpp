@@ -83,12 +83,18 @@ std::optional<storage::Manifest> stage(const layout::HfModel& hf, std::span<cons
     rep.version = core.version();
     return std::nullopt;
   }
-  // per chunk kind (value, diff) and tensor: the last index seen (receive::Core::check then
-  // refuses an element written by both kinds)
+  // per chunk kind (value, diff) and tensor: the last index seen of this writer (receive::Core::
+  // check then refuses an element written by both kinds). Several writers (a sharded trainer's
+  // ranks) each send their own elements, which a Shard(1) split interleaves: each writer's
+  // indices increase; that no two writers send one element the trainer checked before it
+  // published (layout::check_writers), a full publication's coverage checks again here, and an
+  // HfReceiver's digest refuses a delta whose result is not the trainer's.
   const auto tensors = static_cast<std::size_t>(hf.size());
   std::vector<std::int64_t> last(2 * tensors, -1);
   for (std::size_t k = 0; k < v.chunks.size(); ++k) {
-    const storage::ChunkHeader expect{m.version, m.base, static_cast<std::uint32_t>(k), 0};
+    const storage::ChunkEntry& entry = m.chunks[k];
+    if (k > 0 && entry.writer != m.chunks[k - 1].writer) std::fill(last.begin(), last.end(), -1);
+    const storage::ChunkHeader expect{m.version, m.base, entry.chunk, entry.writer};
     (void)storage::visit_chunk_into(
         hf, v.chunks[k],
         "publication v" + std::to_string(m.version) + " chunk " + std::to_string(k), &expect,
