@@ -19,7 +19,7 @@ import os
 import types
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from . import _native
+from . import _native, sharded
 from ._native import (  # noqa: F401  (the exception classes, dte/error.hpp)
     BoundsError,
     DeadlineError,
@@ -103,16 +103,29 @@ def _infer(infer) -> tuple:
 
 
 class TorchPublisher:
-    """The trainer side: one trainer rank holding the whole model in HF layout.
+    """The trainer side: one publication per version, from one process or from every rank of a
+    sharded trainer.
 
-    model: a torch.nn.Module whose named_parameters() are the HF tensors of its config
-    (FP32, CPU). optimizer: torch.optim.AdamW, torch.optim.Adam (L2 weight decay) or
-    torch.optim.SGD with momentum, over exactly those parameters. The parameters are moved
-    once into one flat FP32 buffer (their values and Parameter objects kept, so the optimizer
-    and its state are untouched); do not re-assign param.data afterwards.
+    model: a torch.nn.Module whose named_parameters() are the HF tensors of its config (wrapper
+    prefixes such as DDP's 'module.' or FSDP1's '_fsdp_wrapped_module.' are dropped), as FP32
+    master weights: plain tensors, FSDP2 / tensor-parallel DTensors, or FSDP1 original
+    parameters (use_orig_params=True). optimizer: torch.optim.AdamW, torch.optim.Adam (L2
+    weight decay) or torch.optim.SGD with momentum over those parameters, or a
+    ZeroRedundancyOptimizer around one. Each rank's weights and optimizer state are read where
+    they live (dte/sharded.py), every step: nothing is copied or moved.
 
     Call step() after every optimizer.step(): it returns the next publication (bytes) every
     publish_every steps, else None. publish_full() returns a full one at any time.
+
+    Sharded trainers: once torch.distributed is initialised with more than one rank, make the
+    publisher on every rank of the trainer's process group (group=, default the whole world)
+    and call step() / publish_full() on every rank alike. Each rank detects the changes of the
+    elements it holds; the ranks' parts are gathered and the whole publication comes back on
+    group rank dst (default 0), None on the others. A refusal on any rank raises on every rank
+    (the rank's own error, or one of the same class naming the rank that refused), and the next
+    publication is full on all. One small collective runs per step(), and two more per
+    publication. The pieces every rank holds are checked at construction: each element of the
+    model has exactly one sender.
 
     encoding: 'diff' (default): a delta covering one optimizer step codes each changed element
     against the value its receivers hold (a one-ulp step takes a few bits; about 1.4 bytes per
@@ -128,8 +141,7 @@ class TorchPublisher:
 
     def __init__(self, model, optimizer, detect: str = "bf16", publish_every: int = 1,
                  config=None, zstd_level: int = 1, continue_after: int = 0,
-                 encoding: str = "diff"):
-        torch = _torch()
+                 encoding: str = "diff", group=None, dst: int = 0):
         if detect != "bf16":
             raise UnsupportedError(f"detect={detect!r}: the Python binding publishes BF16 (detect='bf16')")
         if encoding not in ("diff", "value"):
@@ -139,37 +151,37 @@ class TorchPublisher:
         self._config = _config_text(config, model)
         info = _native.model_info(self._config)
         self.names: List[str] = info["names"]
-        named = dict(model.named_parameters())
-        self._params = _match_parameters(named, info, "TorchPublisher")
-        for name, p in zip(self.names, self._params):
-            if p.dtype != torch.float32:
-                raise InvalidArgument(
-                    f"parameter {name} is {p.dtype}: dte reconstructs the previous weights from the "
-                    "FP32 weights the optimizer updates; keep the parameters (master weights) in "
-                    "torch.float32")
-            if p.device.type != "cpu":
-                raise UnsupportedError(
-                    f"parameter {name} is on {p.device}: this build of the Python binding reads CPU "
-                    "tensors (the CUDA path is the C++ DeltaEngine over NCCL)")
-        kind, self._groups = _optimizer_kind(optimizer, self._params, self.names)
+        self._group, self._rank, self._world = _process_group(group)
+        if not 0 <= dst < self._world:
+            raise InvalidArgument(f"dst={dst} is not a rank of the trainer's group ({self._world} ranks)")
+        self._dst = dst
+        inner = sharded.inner_optimizer(optimizer)
+        self._slots = sharded.slots(model, info["names"], info["shapes"], self._rank,
+                                    sharded.zero_owner(optimizer))
+        kind, slot_group = _optimizer_kind(inner, model, self._slots)
         self._kind = kind
-        self._optimizer = optimizer
-        self._flat = _flatten(self._params, info)
-        self._ptrs = [p.data_ptr() for p in self._params]
+        self._optimizer = inner
+        pieces = [(s.tensor, i, n, sender, k, off)
+                  for k, s in enumerate(self._slots) for (i, n, off, sender) in s.pieces]
+        mine = [(t, i, n, sender) for (t, i, n, sender, _, _) in pieces]
+        # Every element once among the ranks' senders, checked on every rank alike (so all
+        # raise together) before anything is published.
+        _native.check_writers(self._config, self._all_gather(mine))
         cls = {"adamw": _native.AdamWPublisher, "adam": _native.AdamPublisher,
                "sgd": _native.SgdPublisher}[kind]
-        self._native = cls(self._config, publish_every, zstd_level, encoding == "diff",
-                           self._flat.data_ptr(),
-                           self._flat.numel(), self._groups, kind == "adamw")
+        self._native = cls(self._config, publish_every, zstd_level, encoding == "diff", pieces,
+                           [s.numel for s in self._slots], slot_group, kind == "adamw",
+                           self._rank, self._world)
         if continue_after:
             self._native.continue_after(int(continue_after))
         self._seen = 0  # optimizer steps since the last step()
         self._used = None  # the groups' hyperparameters as the last optimizer step used them
-        self._sgd_steps = [0] * len(self._params)
-        self._state_seen: Dict[int, object] = {}
+        self._sgd_steps = [0] * len(self._slots)
+        self._digest = ()  # the whole publication's (group rank dst, several ranks)
+        self._message = None  # the whole publication's bytes and changed elements (dst)
         # The optimizer may have stepped before (a resumed run): its step counts are the start.
-        self._native.resync(self._gather()[2], False)
-        _hook_optimizer(optimizer, self._after_optimizer_step)
+        self._native.resync(self._gather()[3], False)
+        _hook_optimizer(inner, self._after_optimizer_step)
 
     # -- what the optimizer step used (before any scheduler moves lr) --
     def _after_optimizer_step(self):
@@ -188,95 +200,206 @@ class TorchPublisher:
         return self._native.version
 
     @property
+    def rank(self) -> int:
+        """This publisher's rank in the trainer's group (0 in one process)."""
+        return self._rank
+
+    @property
     def report(self) -> dict:
-        """What the last publication did (version, changed, bytes, seconds, ...)."""
-        return self._native.last()
+        """What the last publication did on this rank (version, changed, scanned, bytes of its
+        part, seconds, ...); on the group's dst rank of a sharded trainer also 'message_bytes'
+        and 'message_changed', the whole publication's."""
+        r = self._native.last()
+        if self._message is not None:
+            r["message_bytes"], r["message_changed"] = self._message
+        return r
 
     def digest(self) -> tuple:
-        """Per HF tensor, the digest of the trainer's BF16 state as of the last publication."""
-        return tuple(self._native.digest())
+        """Per HF tensor, the digest of the trainer's BF16 state as of the last publication
+        (sharded: on the group's dst rank, which holds the whole publication)."""
+        if self._world == 1:
+            return tuple(self._native.digest())
+        if self._rank != self._dst:
+            raise InvalidArgument(
+                f"digest(): rank {self._rank} holds its part only; the whole digest is on group "
+                f"rank {self._dst}")
+        return tuple(self._digest)
 
-    def publish_full(self) -> bytes:
+    def publish_full(self) -> Optional[bytes]:
         """Every element, now (the first publication, or to resynchronise a receiver)."""
-        self._check_flat()
-        steps = self._gather()[2]
-        msg = self._native.publish_full()
-        self._native.resync(steps, False)  # the next step() inverts the step after this one
+        def run():
+            theta, _, _, steps = self._gather()
+            return self._native.publish_full(theta), steps
+
+        out = self._agree(run)
+        self._native.resync(self._steps, False)  # the next step() inverts the step after this one
         self._seen = 0
-        return msg
+        return out
 
     def step(self) -> Optional[bytes]:
         """After each optimizer.step(): the next publication every publish_every steps, else None."""
-        if self._seen != 1:
-            seen, self._seen = self._seen, 0
-            _, _, steps = self._gather()
-            self._native.resync(steps, True)
-            raise ProtocolError(
-                f"TorchPublisher.step(): {seen} optimizer steps ran since the last call; dte "
-                "inverts exactly one, so call pub.step() after every optimizer.step(). The next "
-                "publication will be full")
-        self._seen = 0
-        self._check_flat()
-        a, b, steps = self._gather()
-        return self._native.step(self._used, a, b, steps)
+        def run():
+            if self._seen != 1:
+                seen, self._seen = self._seen, 0
+                self._native.resync(self._gather()[3], True)
+                raise ProtocolError(
+                    f"TorchPublisher.step(): {seen} optimizer steps ran since the last call; dte "
+                    "inverts exactly one, so call pub.step() after every optimizer.step(). The next "
+                    "publication will be full")
+            self._seen = 0
+            theta, a, b, steps = self._gather()
+            return self._native.step(self._used, theta, a, b, steps), steps
+
+        return self._agree(run)
+
+    # -- one version across the trainer's ranks --
+    def _agree(self, run) -> Optional[bytes]:
+        """run() on this rank (its part, or None between publications); then, with several
+        ranks, every rank learns every rank's outcome: all commit the merged publication (on
+        dst) or all abort, and the next one is full."""
+        err = None
+        part = None
+        self._steps = None
+        try:
+            part, self._steps = run()
+        except Error as e:
+            err = e
+        if self._steps is None:
+            self._steps = self._gather()[3]
+        if self._world == 1:
+            if err is not None:
+                raise err
+            return part
+        status = self._all_gather((err is None, type(err).__name__ if err else "",
+                                   str(err) if err else "", part is not None))
+        failed = [(r, s) for r, s in enumerate(status) if not s[0]]
+        if failed or len({s[3] for s in status}) != 1:
+            self._native.abort()
+            if err is not None:
+                raise err
+            if not failed:
+                raise ProtocolError(
+                    "the trainer's ranks disagree on whether this step publishes (their "
+                    "publish_every or their calls differ); no publication, the next one is full")
+            r, (_, cls, text, _) = failed[0]
+            raise _error_class(cls)(
+                f"trainer rank {r} refused this publication: {text} (nothing was published; the "
+                "next publication is full on every rank)")
+        if part is None:
+            return None
+        parts = self._gather_to_dst(part)
+        merged, problem = None, None
+        if parts is not None:
+            try:
+                merged = _native.merge(self._config, parts)
+            except Error as e:
+                problem = (type(e).__name__, str(e))
+        problem = self._broadcast_from_dst(problem)
+        if problem is not None:
+            self._native.abort()
+            raise _error_class(problem[0])(
+                f"group rank {self._dst} could not merge the ranks' parts: {problem[1]} (nothing "
+                "was published; the next publication is full on every rank)")
+        self._native.commit()
+        if merged is None:
+            return None
+        _, self._digest, changed = _native.message_digest(self._config, merged)
+        self._message = (len(merged), changed)
+        return merged
+
+    def _all_gather(self, obj) -> list:
+        if self._world == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self._world
+        dist.all_gather_object(out, obj, group=self._group)
+        return out
+
+    def _global(self, group_rank: int) -> int:
+        import torch.distributed as dist
+
+        return group_rank if self._group is None else dist.get_global_rank(self._group, group_rank)
+
+    def _gather_to_dst(self, obj):
+        import torch.distributed as dist
+
+        out = [None] * self._world if self._rank == self._dst else None
+        dist.gather_object(obj, out, dst=self._global(self._dst), group=self._group)
+        return out
+
+    def _broadcast_from_dst(self, obj):
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=self._global(self._dst), group=self._group)
+        return box[0]
 
     def _gather(self):
-        """Per tensor, in canonical order: the state's addresses (0: none) and its step count."""
+        """Per slot: the weights' and the state's addresses (0: none) and its step count."""
         torch = _torch()
         state = self._optimizer.state
+        theta: List[int] = []
         a: List[int] = []
         b: List[int] = []
         steps: List[int] = []
         sgd = self._kind == "sgd"
-        for t, p in enumerate(self._params):
-            st = state.get(p)
-            if not st or self._groups[t] < 0:
+        for k, slot in enumerate(self._slots):
+            x = slot.local()
+            sharded.check_local(slot, x, "parameter")
+            theta.append(x.data_ptr())
+            st = state.get(slot.param)
+            if not st:
                 a.append(0)
                 b.append(0)
-                steps.append(self._sgd_steps[t] if sgd else 0)
+                steps.append(self._sgd_steps[k] if sgd else 0)
                 continue
             if sgd:
                 buf = st.get("momentum_buffer")
                 if buf is None:
                     a.append(0)
                     b.append(0)
-                    steps.append(self._sgd_steps[t])
+                    steps.append(self._sgd_steps[k])
                     continue
-                self._check_state(t, buf, "momentum_buffer")
-                self._sgd_steps[t] += 1
+                buf = sharded.local_of(buf)
+                sharded.check_local(slot, buf, "optimizer state momentum_buffer")
+                self._sgd_steps[k] += 1
                 a.append(buf.data_ptr())
                 b.append(0)
-                steps.append(self._sgd_steps[t])
+                steps.append(self._sgd_steps[k])
             else:
-                m = st["exp_avg"]
-                v = st["exp_avg_sq"]
-                self._check_state(t, m, "exp_avg")
-                self._check_state(t, v, "exp_avg_sq")
+                m = sharded.local_of(st["exp_avg"])
+                v = sharded.local_of(st["exp_avg_sq"])
+                sharded.check_local(slot, m, "optimizer state exp_avg")
+                sharded.check_local(slot, v, "optimizer state exp_avg_sq")
                 a.append(m.data_ptr())
                 b.append(v.data_ptr())
                 s = st["step"]
-                steps.append(int(s.item()) if isinstance(s, torch.Tensor) else int(s))
-        return a, b, steps
+                if isinstance(s, torch.Tensor):
+                    s = sharded.local_of(s).item()
+                steps.append(int(s))
+        return theta, a, b, steps
 
-    def _check_flat(self):
-        for name, p, ptr in zip(self.names, self._params, self._ptrs):
-            if p.data_ptr() != ptr:
-                raise InvalidArgument(
-                    f"parameter {name} no longer lives in dte's flat buffer (param.data was "
-                    "re-assigned, or the model was moved); make a new TorchPublisher")
 
-    def _check_state(self, t: int, x, what: str):
-        """A state tensor checked once per object: FP32, CPU, contiguous, the parameter's size."""
-        key = id(x)
-        if self._state_seen.get(key) is x:
-            return
-        torch = _torch()
-        p = self._params[t]
-        if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous() or x.numel() != p.numel():
-            raise InvalidArgument(
-                f"optimizer state {what} of {self.names[t]} is {x.dtype} {tuple(x.shape)} on "
-                f"{x.device}: dte reads FP32 CPU state of the parameter's shape")
-        self._state_seen[key] = x
+def _process_group(group):
+    """(group, rank, world): torch.distributed's group when it is initialised, else one process."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        dist = None
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        if group is not None:
+            raise InvalidArgument("group= needs torch.distributed initialised (init_process_group)")
+        return None, 0, 1
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise InvalidArgument("this process is not a member of the group= given to TorchPublisher")
+    return group, rank, dist.get_world_size(group)
+
+
+def _error_class(name: str):
+    cls = globals().get(name)
+    return cls if isinstance(cls, type) and issubclass(cls, Error) else Error
 
 
 def _match_parameters(named: Mapping[str, object], info: dict, who: str) -> list:
@@ -304,8 +427,9 @@ def _match_parameters(named: Mapping[str, object], info: dict, who: str) -> list
     return out
 
 
-def _optimizer_kind(optimizer, params: Sequence, names: Sequence[str]):
-    """Which inverse, and each tensor's parameter group; refuses what cannot be inverted."""
+def _optimizer_kind(optimizer, model, slots):
+    """Which inverse, and each slot's parameter group (-1: frozen); refuses what cannot be
+    inverted."""
     torch = _torch()
     if isinstance(optimizer, torch.optim.AdamW):
         kind = "adamw"
@@ -316,7 +440,7 @@ def _optimizer_kind(optimizer, params: Sequence, names: Sequence[str]):
     else:
         raise UnsupportedError(
             f"{type(optimizer).__name__}: dte inverts torch.optim.AdamW, torch.optim.Adam and "
-            "torch.optim.SGD with momentum")
+            "torch.optim.SGD with momentum (or a ZeroRedundancyOptimizer around one)")
     where: Dict[int, int] = {}
     for g, group in enumerate(optimizer.param_groups):
         if group.get("amsgrad", False):
@@ -333,41 +457,20 @@ def _optimizer_kind(optimizer, params: Sequence, names: Sequence[str]):
                     "SGD without momentum keeps no state to invert; use momentum > 0 (e.g. 0.9)")
         for p in group["params"]:
             where[id(p)] = g
-    groups = []
-    known = {id(p) for p in params}
-    for n, p in zip(names, params):
-        if id(p) not in where:
-            if p.requires_grad:
-                raise InvalidArgument(
-                    f"parameter {n} is not in any of the optimizer's parameter groups but requires "
-                    "grad; add it to the optimizer, or freeze it (requires_grad=False)")
-            groups.append(-1)  # frozen: never changes
-            continue
-        groups.append(where[id(p)])
+    known = {id(p) for p in model.parameters()}
     if any(i not in known for i in where):
         raise InvalidArgument("the optimizer updates tensors that are not parameters of the model")
+    groups = []
+    for s in slots:
+        if id(s.param) not in where:
+            if s.param.requires_grad:
+                raise InvalidArgument(
+                    f"parameter {s.name} is not in any of the optimizer's parameter groups but "
+                    "requires grad; add it to the optimizer, or freeze it (requires_grad=False)")
+            groups.append(-1)  # frozen: never changes
+            continue
+        groups.append(where[id(s.param)])
     return kind, groups
-
-
-def _flatten(params: Sequence, info: dict):
-    """One FP32 buffer holding every parameter at its canonical offset (moved there once)."""
-    torch = _torch()
-    total, offsets = info["total"], info["offsets"]
-    first = params[0]
-    base = first.data_ptr() - 4 * offsets[0]
-    if all(p.is_contiguous() and p.data_ptr() == base + 4 * o for p, o in zip(params, offsets)):
-        try:  # already one buffer in canonical order (a trainer that flattened its parameters)
-            return first.detach().as_strided((total,), (1,), first.storage_offset() - offsets[0])
-        except RuntimeError:
-            pass  # the storage ends before the last parameter: not one buffer after all
-    flat = torch.empty(total, dtype=torch.float32)
-    with torch.no_grad():
-        for p, o in zip(params, offsets):
-            n = p.numel()
-            view = flat[o:o + n]
-            view.copy_(p.detach().reshape(-1))
-            p.data = view.view(p.shape)
-    return flat
 
 
 def _hook_optimizer(optimizer, after):

@@ -412,12 +412,12 @@ void check_writers(
   dte::layout::check_writers(hf, w);
 }
 
-// The manifest's digest of a message (per canonical tensor) and its version.
+// A message's version, digest (per canonical tensor) and changed elements, from its manifest.
 nb::tuple message_digest(const std::string& config, const nb::bytes& msg) {
   const dte::layout::ModelSpec spec = dte::publication::named_by_structure(model_of(config));
   const dte::layout::HfModel hf(spec);
   const auto v = dte::publication::decode(hf, view(msg), "publication");
-  return nb::make_tuple(v.manifest.version, v.manifest.digest);
+  return nb::make_tuple(v.manifest.version, v.manifest.digest, v.manifest.changed);
 }
 
 std::vector<std::span<std::uint16_t>> spans(const std::vector<std::uintptr_t>& ptrs,

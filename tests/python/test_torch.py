@@ -392,10 +392,19 @@ def test_a_restarted_trainer_continues_the_numbering(tmp_path):
     assert mismatches(model, served) == 0
 
 
-def test_parameters_moved_after_construction_are_refused():
+def test_parameters_are_read_where_they_live_each_step():
+    """Nothing is moved or copied: a parameter whose .data is re-assigned is read at its new
+    place; one re-assigned to a dtype dte cannot invert from is refused, naming it."""
     model = TinyQwen3()
     opt = torch.optim.AdamW(model.parameters())
+    before = {n: p.data_ptr() for n, p in model.named_parameters()}
     pub = dte.TorchPublisher(model, opt)
-    model.lm_head.weight.data = model.lm_head.weight.data.clone()
-    with pytest.raises(dte.InvalidArgument, match="flat buffer"):
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == before
+    served = served_like(model)
+    rx = dte.TorchReceiver(served)
+    model.lm_head.weight.data = model.lm_head.weight.data.clone() * 2
+    rx.apply(pub.publish_full())
+    assert mismatches(model, served) == 0
+    model.lm_head.weight.data = model.lm_head.weight.data.to(torch.bfloat16)
+    with pytest.raises(dte.InvalidArgument, match="parameter of lm_head.weight is torch.bfloat16"):
         pub.publish_full()

@@ -1,0 +1,177 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Sharded PyTorch trainers publish through dte (issue 29), on 2 and 3 processes over gloo:
+FSDP2 (per layer plus root; default, foreach and fused AdamW; bf16 mixed precision; K = 1 and
+K = 4), FSDP1 (use_orig_params=True), DDP + ZeroRedundancyOptimizer, DTensor tensor parallelism
+on the MLP. The model has a vocabulary no world size divides, norms with fewer elements than
+ranks, and a frozen parameter. This process holds the receivers: an HF receiver, compared bit
+for bit after every publication with the full parameters the trainer gathered by torch's own
+means, and the two ranks of a tp=2 SGLang layout, checked against the trainer's digest.
+Then a trainer rank killed mid-publication: the receivers keep the previous version, and a
+restarted job resynchronises them with a full publication (continue_after).
+
+Needs torch >= 2.6 (fully_shard): run in the PyPI-torch venv (tools/python-tests.sh)."""
+import io
+import multiprocessing
+import queue as queue_mod
+import socket
+
+import pytest
+import torch
+
+pytest.importorskip("torch.distributed.fsdp")
+if not hasattr(torch.distributed.fsdp, "fully_shard"):
+    pytest.skip("torch.distributed.fsdp.fully_shard needs torch >= 2.6", allow_module_level=True)
+
+import dte  # noqa: E402
+import trainers  # noqa: E402
+from trainers import CONFIG, FROZEN  # noqa: E402
+
+STEPS = 21  # K = 1: a full publication and 21 deltas; K = 4: a full one and 21 deltas over 84 steps
+SCENARIOS = [
+    ("fsdp2", "fsdp2", "default", 1, STEPS),
+    ("fsdp2-foreach", "fsdp2", "foreach", 1, STEPS),
+    ("fsdp2-fused", "fsdp2", "fused", 1, STEPS),
+    ("fsdp2-bf16", "fsdp2", "bf16", 1, STEPS),
+    ("fsdp2-k4", "fsdp2", "default", 4, 4 * STEPS),
+    ("fsdp1", "fsdp1", "default", 1, STEPS),
+    ("zero", "zero", "default", 1, STEPS),
+    ("tp", "tp", "default", 1, STEPS),
+]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bits(t):
+    return t.contiguous().view(torch.int16)
+
+
+class Receivers:
+    """An HF receiver and a tp=2 replica, in this process."""
+
+    def __init__(self):
+        self.hf_tensors = None
+        self.hf = None
+        self.shards = []
+        for r in range(2):
+            t = {n: torch.zeros(s, dtype=torch.bfloat16)
+                 for n, s in dte.TorchReceiver.shard_tensors(CONFIG, "tp=2", r).items()}
+            self.shards.append((t, dte.TorchReceiver(t, config=CONFIG, infer="tp=2", rank=r)))
+
+    def apply(self, msg, expected, digest):
+        expected = torch.load(io.BytesIO(expected))
+        if self.hf is None:
+            self.hf_tensors = {n: torch.full(t.shape, float("nan"), dtype=torch.bfloat16)
+                               for n, t in expected.items()}
+            self.hf = dte.TorchReceiver(self.hf_tensors, config=CONFIG)
+        report = self.hf.apply(msg)
+        for _, rx in self.shards:
+            rx.apply(msg)
+        bad = sum(int((bits(self.hf_tensors[n]) != bits(expected[n])).sum()) for n in expected)
+        assert bad == 0, f"{bad} elements differ from the trainer's gathered parameters"
+        assert self.hf.digest() == tuple(digest)
+        assert dte.replica_matches([rx for _, rx in self.shards], digest)
+        assert self.hf.verify()
+        return report
+
+
+def launch(world, scenarios, q, **kw):
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=trainers.run, args=(r, world, port, scenarios, q), kwargs=kw)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def drain(q, procs, scenarios, receivers=None):
+    """Applies every publication rank 0 sends, each scenario to its own receivers (or all to
+    `receivers`); returns the reports per scenario, and the receivers."""
+    seen = {name: [] for name, *_ in scenarios}
+    held = {name: receivers or Receivers() for name, *_ in scenarios}
+    done = set()
+    while len(done) < len(scenarios):
+        try:
+            item = q.get(timeout=300)
+        except queue_mod.Empty:
+            raise AssertionError(f"no word from the trainer for 300 s (done: {sorted(done)})")
+        if item[0] == "error":
+            raise AssertionError(f"trainer rank {item[1]} failed: {item[2]}")
+        if item[0] == "done":
+            done.add(item[1])
+            continue
+        _, name, msg, expected, digest, report = item
+        applied = held[name].apply(msg, expected, digest)
+        seen[name].append((applied, report))
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    return seen, held
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_trainers_publish_bit_identical(world):
+    q = multiprocessing.get_context("spawn").Queue()
+    procs = launch(world, SCENARIOS, q)
+    try:
+        seen, held = drain(q, procs, SCENARIOS)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    for name, *_ in SCENARIOS:
+        receivers_total = sum(t.numel() for t in held[name].hf_tensors.values())
+        pubs = seen[name]
+        assert len(pubs) >= 22, name  # a full publication and 21 deltas
+        assert pubs[0][0]["full"] and not any(a["full"] for a, _ in pubs[1:]), name
+        assert all(a["changed"] > 0 for a, _ in pubs[1:]), name
+        # the frozen parameter is never written again
+        assert not any(FROZEN in a["touched"] for a, _ in pubs[1:]), name
+        # rank 0 scans only the elements it sends, not the model
+        scanned = pubs[-1][1]["scanned"]
+        assert 0 < scanned < receivers_total, (name, scanned, receivers_total)
+        assert pubs[-1][1]["message_changed"] == pubs[-1][0]["changed"], name
+
+
+def test_a_rank_killed_mid_publication_then_a_restarted_job_resynchronises():
+    world = 2
+    scenarios = [("fsdp2", "fsdp2", "default", 1, 12)]
+    receivers = Receivers()
+    q = multiprocessing.get_context("spawn").Queue()
+    procs = launch(world, scenarios, q, die=6)
+    # publications v1 (full) .. v7 (after step 5); rank 1 dies in step 6's publication
+    versions = []
+    try:
+        while True:
+            item = q.get(timeout=300)
+            if item[0] == "pub":
+                receivers.apply(item[2], item[3], item[4])
+                versions.append(receivers.hf.version)
+            elif item[0] == "error":
+                assert item[1] == 0, item  # the survivor learns the publication failed
+                break
+            else:
+                raise AssertionError(f"the job ended without the failure: {item}")
+    finally:
+        for p in procs:
+            p.join(timeout=120)
+            if p.is_alive():
+                p.kill()
+    assert versions == list(range(1, 8))
+    assert procs[1].exitcode == 3
+    # nothing of the failed version reached the receivers: they hold v7, every tensor as the
+    # trainer gathered it then (checked when v7 was applied) and unchanged since
+    assert receivers.hf.version == 7
+    assert receivers.hf.verify()
+    assert dte.replica_matches([rx for _, rx in receivers.shards], receivers.hf.digest())
+    # the restarted job (fresh weights: as if resumed from an older checkpoint) continues the
+    # numbering; its first publication is full and resynchronises every receiver
+    q = multiprocessing.get_context("spawn").Queue()
+    procs = launch(world, [("fsdp2", "fsdp2", "default", 1, 3)], q, continue_after=7)
+    seen, _ = drain(q, procs, [("fsdp2",)], receivers)
+    applied = [a for a, _ in seen["fsdp2"]]
+    assert applied[0]["full"] and [a["version"] for a in applied] == [8, 9, 10, 11]
