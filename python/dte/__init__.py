@@ -109,7 +109,9 @@ class TorchPublisher:
     model: a torch.nn.Module whose named_parameters() are the HF tensors of its config (wrapper
     prefixes such as DDP's 'module.' or FSDP1's '_fsdp_wrapped_module.' are dropped), as FP32
     master weights: plain tensors, FSDP2 / tensor-parallel DTensors, or FSDP1 original
-    parameters (use_orig_params=True). optimizer: torch.optim.AdamW, torch.optim.Adam (L2
+    parameters (use_orig_params=True). A trainer that computes in BF16 and keeps its own FP32
+    master weights for the optimizer passes those instead: a dict HF name -> FP32 tensor (the
+    optimizer's parameters), with config=. optimizer: torch.optim.AdamW, torch.optim.Adam (L2
     weight decay) or torch.optim.SGD with momentum over those parameters, or a
     ZeroRedundancyOptimizer around one. Each rank's weights and optimizer state are read where
     they live (dte/sharded.py), every step: nothing is copied or moved.
@@ -457,7 +459,7 @@ def _optimizer_kind(optimizer, model, slots):
                     "SGD without momentum keeps no state to invert; use momentum > 0 (e.g. 0.9)")
         for p in group["params"]:
             where[id(p)] = g
-    known = {id(p) for p in model.parameters()}
+    known = {id(p) for _, p in sharded.named_tensors(model)}
     if any(i not in known for i in where):
         raise InvalidArgument("the optimizer updates tensors that are not parameters of the model")
     groups = []

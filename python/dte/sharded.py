@@ -21,7 +21,7 @@ Nothing here copies a tensor: the publisher reads each slot where it lives, ever
 from __future__ import annotations
 
 import sys
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence
 
 from ._native import InvalidArgument, UnsupportedError
 
@@ -138,6 +138,14 @@ def _fsdp1_infos(model) -> Dict[int, object]:
     return out
 
 
+def named_tensors(model):
+    """(name, tensor) of a module's parameters, or of a mapping name -> tensor (a trainer's own
+    FP32 master weights beside a BF16 module)."""
+    if isinstance(model, Mapping):
+        return list(model.items())
+    return list(model.named_parameters())
+
+
 def slots(model, names: Sequence[str], shapes: Sequence[Sequence[int]], rank: int,
           owner=None) -> List[Slot]:
     """This rank's slots, one per parameter that holds elements here, in the model's order.
@@ -145,7 +153,7 @@ def slots(model, names: Sequence[str], shapes: Sequence[Sequence[int]], rank: in
     owner: param -> group rank (ZeroRedundancyOptimizer's _param_to_rank), or None."""
     index = {n: t for t, n in enumerate(names)}
     named: Dict[str, object] = {}
-    for raw, p in model.named_parameters():
+    for raw, p in named_tensors(model):
         n = hf_name(raw)
         if n in named:
             raise InvalidArgument(f"two parameters are named {n} once wrapper prefixes are dropped ({raw})")

@@ -408,3 +408,35 @@ def test_parameters_are_read_where_they_live_each_step():
     model.lm_head.weight.data = model.lm_head.weight.data.to(torch.bfloat16)
     with pytest.raises(dte.InvalidArgument, match="parameter of lm_head.weight is torch.bfloat16"):
         pub.publish_full()
+
+
+def test_a_trainers_own_fp32_master_weights_beside_a_bf16_model():
+    """Mixed precision without FSDP: the module computes in BF16, the optimizer steps FP32
+    master copies; the publisher reads the masters (a dict of HF names), and receivers hold what
+    the BF16 module computes with (the masters rounded), bit for bit."""
+    model = TinyQwen3().to(torch.bfloat16)
+    masters = {n: p.detach().float().clone().requires_grad_(True) for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(masters.values(), lr=3e-3, weight_decay=0.1)
+    with pytest.raises(dte.InvalidArgument, match="torch.float32"):
+        dte.TorchPublisher(model, torch.optim.AdamW(model.parameters()))  # the BF16 copies: refused
+    pub = dte.TorchPublisher(masters, opt, config=CONFIG)
+    served = served_like(model)
+    rx = dte.TorchReceiver(served)
+    rx.apply(pub.publish_full())
+    params = dict(model.named_parameters())
+    published = 0
+    for tokens in batches(model.config, steps=12):
+        model.loss(tokens).backward()
+        for n, m in masters.items():
+            m.grad = params[n].grad.float()
+            params[n].grad = None
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for n, m in masters.items():
+                params[n].copy_(m)  # the BF16 compute copy, rounded to nearest even
+        msg = pub.step()
+        assert rx.apply(msg)["changed"] > 0
+        assert mismatches(model, served) == 0
+        published += 1
+    assert published == 12 and pub.digest() == rx.digest()

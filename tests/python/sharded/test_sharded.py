@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Sharded PyTorch trainers publish through dte (issue 29), on 2 and 3 processes over gloo:
-FSDP2 (per layer plus root; default, foreach and fused AdamW; bf16 mixed precision; K = 1 and
-K = 4), FSDP1 (use_orig_params=True), DDP + ZeroRedundancyOptimizer, DTensor tensor parallelism
+FSDP2 (per layer plus root; default, foreach and fused AdamW, Adam, SGD; bf16 mixed precision;
+K = 1 and K = 4; a refusal on one rank; its own group object with dst on the last rank), HSDP,
+FSDP1 (use_orig_params=True), DDP + ZeroRedundancyOptimizer, DTensor tensor parallelism
 on the MLP. The model has a vocabulary no world size divides, norms with fewer elements than
 ranks, and a frozen parameter. This process holds the receivers: an HF receiver, compared bit
 for bit after every publication with the full parameters the trainer gathered by torch's own
@@ -33,6 +34,11 @@ SCENARIOS = [
     ("fsdp2-fused", "fsdp2", "fused", 1, STEPS),
     ("fsdp2-bf16", "fsdp2", "bf16", 1, STEPS),
     ("fsdp2-k4", "fsdp2", "default", 4, 4 * STEPS),
+    ("fsdp2-adam", "fsdp2", "adam", 1, STEPS),
+    ("fsdp2-sgd", "fsdp2", "sgd", 1, STEPS),
+    ("fsdp2-refuse", "fsdp2", "refuse", 1, STEPS + 1),  # step 7 refused on the last rank
+    ("fsdp2-group", "fsdp2", "group", 1, STEPS),  # its own group object, dst = the last rank
+    ("hsdp", "hsdp", "default", 1, STEPS),
     ("fsdp1", "fsdp1", "default", 1, STEPS),
     ("zero", "zero", "default", 1, STEPS),
     ("tp", "tp", "default", 1, STEPS),
@@ -93,6 +99,7 @@ def drain(q, procs, scenarios, receivers=None):
     `receivers`); returns the reports per scenario, and the receivers."""
     seen = {name: [] for name, *_ in scenarios}
     held = {name: receivers or Receivers() for name, *_ in scenarios}
+    refused = {}
     done = set()
     while len(done) < len(scenarios):
         try:
@@ -104,13 +111,16 @@ def drain(q, procs, scenarios, receivers=None):
         if item[0] == "done":
             done.add(item[1])
             continue
+        if item[0] == "refused":
+            refused.setdefault(item[1], []).append(item[2])
+            continue
         _, name, msg, expected, digest, report = item
         applied = held[name].apply(msg, expected, digest)
         seen[name].append((applied, report))
     for p in procs:
         p.join(timeout=120)
         assert p.exitcode == 0
-    return seen, held
+    return seen, held, refused
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -118,7 +128,7 @@ def test_sharded_trainers_publish_bit_identical(world):
     q = multiprocessing.get_context("spawn").Queue()
     procs = launch(world, SCENARIOS, q)
     try:
-        seen, held = drain(q, procs, SCENARIOS)
+        seen, held, refused = drain(q, procs, SCENARIOS)
     finally:
         for p in procs:
             if p.is_alive():
@@ -127,13 +137,25 @@ def test_sharded_trainers_publish_bit_identical(world):
         receivers_total = sum(t.numel() for t in held[name].hf_tensors.values())
         pubs = seen[name]
         assert len(pubs) >= 22, name  # a full publication and 21 deltas
-        assert pubs[0][0]["full"] and not any(a["full"] for a, _ in pubs[1:]), name
+        fulls = [k for k, (a, _) in enumerate(pubs) if a["full"]]
+        if name == "fsdp2-refuse":
+            # every rank raised (the dst rank: the last rank's own refusal, relayed); the
+            # publication after the refused step is full on every rank
+            assert len(refused[name]) == 1 and "trainer rank" in refused[name][0], refused
+            assert "exp_avg_sq" in refused[name][0], refused
+            assert fulls == [0, 8], fulls
+        else:
+            assert fulls == [0], (name, fulls)
         assert all(a["changed"] > 0 for a, _ in pubs[1:]), name
         # the frozen parameter is never written again
-        assert not any(FROZEN in a["touched"] for a, _ in pubs[1:]), name
-        # rank 0 scans only the elements it sends, not the model
+        assert not any(FROZEN in a["touched"] for a, _ in pubs if not a["full"]), name
+        # the receiving rank scans only the elements it sends, not the model (HSDP: replicate
+        # coordinate 0 sends every element, the other replicas none)
         scanned = pubs[-1][1]["scanned"]
-        assert 0 < scanned < receivers_total, (name, scanned, receivers_total)
+        if name == "hsdp":
+            assert scanned == receivers_total, (name, scanned, receivers_total)
+        else:
+            assert 0 < scanned < receivers_total, (name, scanned, receivers_total)
         assert pubs[-1][1]["message_changed"] == pubs[-1][0]["changed"], name
 
 
@@ -172,6 +194,6 @@ def test_a_rank_killed_mid_publication_then_a_restarted_job_resynchronises():
     # numbering; its first publication is full and resynchronises every receiver
     q = multiprocessing.get_context("spawn").Queue()
     procs = launch(world, [("fsdp2", "fsdp2", "default", 1, 3)], q, continue_after=7)
-    seen, _ = drain(q, procs, [("fsdp2",)], receivers)
+    seen, _, _ = drain(q, procs, [("fsdp2",)], receivers)
     applied = [a for a, _ in seen["fsdp2"]]
     assert applied[0]["full"] and [a["version"] for a in applied] == [8, 9, 10, 11]

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Sharded PyTorch trainers on the CPU (gloo), each rank one process, publishing through
 dte.TorchPublisher: FSDP2 (fully_shard per layer and at the root; default, foreach and fused
-AdamW; bf16 mixed precision; publish_every 4), FSDP1 (use_orig_params=True), DDP +
-ZeroRedundancyOptimizer, and DTensor tensor parallelism on the MLP. Group rank 0 sends each
+AdamW, Adam, SGD with momentum; bf16 mixed precision; publish_every 4), HSDP (FSDP2 on a
+(replicate, shard) mesh), FSDP1 (use_orig_params=True), DDP + ZeroRedundancyOptimizer, and
+DTensor tensor parallelism on the MLP. Group rank 0 (or dst) sends each
 publication to the test process with the full parameters gathered by torch's own means
 (DTensor.full_tensor, FSDP.summon_full_params, the replicated DDP module) in BF16, which the
 test compares its receivers with, independently of dte."""
@@ -58,8 +59,33 @@ def fsdp2(rank, world, variant):
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    kw = {"foreach": True} if variant == "foreach" else {"fused": True} if variant == "fused" else {}
-    opt = torch.optim.AdamW(param_groups(model.named_parameters()), lr=3e-3, betas=(0.9, 0.95), **kw)
+    groups = param_groups(model.named_parameters())
+    if variant == "adam":  # L2 weight decay
+        opt = torch.optim.Adam(groups, lr=3e-3, betas=(0.9, 0.95))
+    elif variant == "sgd":
+        opt = torch.optim.SGD(groups, lr=3e-2, momentum=0.9)
+    else:
+        kw = {"foreach": True} if variant == "foreach" else {"fused": True} if variant == "fused" else {}
+        opt = torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95), **kw)
+
+    def full():
+        return {n: p.full_tensor() for n, p in model.named_parameters()}
+
+    return model, opt, model, full
+
+
+def hsdp(rank, world, variant):
+    """FSDP2 on a 2-D mesh (replicate, shard) of shape (world, 1): DTensors Replicate() x
+    Shard(0); every rank holds whole tensors and only replicate coordinate 0 sends."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    model = model_for()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(param_groups(model.named_parameters()), lr=3e-3, betas=(0.9, 0.95))
 
     def full():
         return {n: p.full_tensor() for n, p in model.named_parameters()}
@@ -120,25 +146,50 @@ def tp(rank, world, variant):
     return model, opt, model, full
 
 
-KINDS = {"fsdp2": fsdp2, "fsdp1": fsdp1, "zero": zero, "tp": tp}
+KINDS = {"fsdp2": fsdp2, "hsdp": hsdp, "fsdp1": fsdp1, "zero": zero, "tp": tp}
+
+
+def corrupt(opt, rank):
+    """An invalid exp_avg_sq element in this rank's local state (a negative second moment);
+    returns how to put it back."""
+    for p, st in opt.state.items():
+        v = st.get("exp_avg_sq")
+        if v is None:
+            continue
+        local = v.to_local() if hasattr(v, "to_local") else v
+        if local.numel():
+            saved = local.view(-1)[0].item()
+            local.view(-1)[0] = -1.0
+
+            def restore():
+                local.view(-1)[0] = saved
+
+            return restore
+    raise AssertionError(f"rank {rank} holds no optimizer state")
 
 
 def run(rank, world, port, scenarios, queue, die=None, continue_after=0):
-    """One rank: every scenario in turn (kind, variant, publish_every, steps); group rank 0 puts
-    ("pub", scenario, message, expected BF16 weights) per publication, then ("done", scenario)."""
+    """One rank: every scenario in turn (name, kind, variant, publish_every, steps). The rank
+    that receives the publications puts ("pub", scenario, message, expected BF16 weights,
+    digest, report) per publication, then ("done", scenario). Variants: "refuse" (rank world-1's
+    state turns invalid after step 7: every rank must raise, and the next publication is full),
+    "group" (a group object of its own, the publications on its last rank)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     try:
         for name, kind, variant, every, steps in scenarios:
             model, opt, forward, full = KINDS[kind](rank, world, variant)
+            group, dst = None, 0
+            if variant == "group":
+                group, dst = dist.new_group(list(range(world))), world - 1
             pub = dte.TorchPublisher(model, opt, config=CONFIG, publish_every=every,
-                                     continue_after=continue_after)
+                                     continue_after=continue_after, group=group, dst=dst)
 
             def send(msg):
                 # (full() is a collective: every rank calls it for every publication)
                 expected = {n: t.detach().to(torch.bfloat16) for n, t in full().items()}
-                if rank == 0:
+                if rank == dst:
                     assert msg is not None
                     # (as bytes: tensors in a queue would outlive this process's shared memory)
                     buf = io.BytesIO()
@@ -158,16 +209,34 @@ def run(rank, world, port, scenarios, queue, die=None, continue_after=0):
                     # mid-publication: this rank has detected and written its part, and dies
                     # before the parts are gathered
                     pub._gather_to_dst = lambda part: os._exit(3)
+                if variant == "refuse" and s == 7:
+                    restore = corrupt(opt, rank) if rank == world - 1 else None
+                    try:
+                        pub.step()
+                        raise AssertionError(f"rank {rank}: a refused rank's publication went out")
+                    except dte.Error as e:
+                        if rank == dst:
+                            queue.put(("refused", name, f"{type(e).__name__}: {e}"))
+                    if restore:
+                        restore()
+                    continue
                 msg = pub.step()
                 if (s + 1) % every == 0:
                     send(msg)
                 else:
                     assert msg is None
-            if rank == 0:
+            if rank == dst:
                 queue.put(("done", name))
             dist.barrier()
     except Exception as e:  # noqa: BLE001 (reported to the test process, which fails)
         queue.put(("error", rank, f"{type(e).__name__}: {e}"))
-        raise
-    finally:
-        dist.destroy_process_group()
+        code = 1
+    else:
+        code = 0
+    dist.destroy_process_group()
+    # Leave without the interpreter's finalisation: gloo's worker threads can abort a process
+    # there (seen once in ~10 runs: "terminate called without an active exception", exit -6,
+    # after every scenario had passed; pytorch/pytorch#179291 describes the race).
+    queue.close()
+    queue.join_thread()
+    os._exit(code)
