@@ -407,18 +407,7 @@ def _error_class(name: str):
 def _match_parameters(named: Mapping[str, object], info: dict, who: str) -> list:
     """The tensors of `named` in the model's canonical order, every name and shape checked."""
     names, shapes = info["names"], info["shapes"]
-    known = set(names)
-    missing = [n for n in names if n not in named]
-    extra = [n for n in named if n not in known]
-    if missing or extra:
-        parts = []
-        if missing:
-            parts.append(f"missing {missing[:4]}{' ...' if len(missing) > 4 else ''}")
-        if extra:
-            parts.append(f"not in the model's config {extra[:4]}{' ...' if len(extra) > 4 else ''}")
-        raise InvalidArgument(
-            f"{who}: the tensors do not match the model's config ({info['structure']}): "
-            + "; ".join(parts) + ". dte maps tensors by their HF names")
+    sharded.check_names(named, names, f"{who}: the tensors do not match the model's config ({info['structure']})")
     out = []
     for n, shape in zip(names, shapes):
         t = named[n]

@@ -138,6 +138,20 @@ def _fsdp1_infos(model) -> Dict[int, object]:
     return out
 
 
+def check_names(named: Mapping[str, object], names: Sequence[str], what: str):
+    """Refuses `named` unless its names are exactly `names`, naming the first few either way."""
+    known = set(names)
+    missing = [n for n in names if n not in named]
+    extra = [n for n in named if n not in known]
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing[:4]}{' ...' if len(missing) > 4 else ''}")
+        if extra:
+            parts.append(f"not in the model's config {extra[:4]}{' ...' if len(extra) > 4 else ''}")
+        raise InvalidArgument(f"{what}: " + "; ".join(parts) + ". dte maps tensors by their HF names")
+
+
 def named_tensors(model):
     """(name, tensor) of a module's parameters, or of a mapping name -> tensor (a trainer's own
     FP32 master weights beside a BF16 module)."""
@@ -158,17 +172,7 @@ def slots(model, names: Sequence[str], shapes: Sequence[Sequence[int]], rank: in
         if n in named:
             raise InvalidArgument(f"two parameters are named {n} once wrapper prefixes are dropped ({raw})")
         named[n] = p
-    missing = [n for n in names if n not in named]
-    extra = [n for n in named if n not in index]
-    if missing or extra:
-        parts = []
-        if missing:
-            parts.append(f"missing {missing[:4]}{' ...' if len(missing) > 4 else ''}")
-        if extra:
-            parts.append(f"not in the model's config {extra[:4]}{' ...' if len(extra) > 4 else ''}")
-        raise InvalidArgument(
-            "TorchPublisher: the model's parameters do not match its config: " + "; ".join(parts)
-            + ". dte maps tensors by their HF names")
+    check_names(named, names, "TorchPublisher: the model's parameters do not match its config")
     fsdp1 = _fsdp1_infos(model)
     dt = _dtensor_type()
     out: List[Slot] = []

@@ -6,7 +6,8 @@ FSDP1 (use_orig_params=True), DDP + ZeroRedundancyOptimizer, DTensor tensor para
 on the MLP. The model has a vocabulary no world size divides, norms with fewer elements than
 ranks, and a frozen parameter. This process holds the receivers: an HF receiver, compared bit
 for bit after every publication with the full parameters the trainer gathered by torch's own
-means, and the two ranks of a tp=2 SGLang layout, checked against the trainer's digest.
+means, and the two ranks of a tp=2 SGLang layout, checked against the trainer's digest; and a
+storage root written with every publication, followed by a reader (compared bit for bit too).
 Then a trainer rank killed mid-publication: the receivers keep the previous version, and a
 restarted job resynchronises them with a full publication (continue_after).
 
@@ -15,6 +16,7 @@ import io
 import multiprocessing
 import queue as queue_mod
 import socket
+import tempfile
 
 import pytest
 import torch
@@ -56,11 +58,16 @@ def bits(t):
 
 
 class Receivers:
-    """An HF receiver and a tp=2 replica, in this process."""
+    """An HF receiver and a tp=2 replica, in this process; and a storage root written with every
+    publication, which a third (HF) receiver follows."""
 
     def __init__(self):
         self.hf_tensors = None
         self.hf = None
+        self.root = tempfile.mkdtemp(prefix="dte-sharded-")
+        self.writer = dte.StorageWriter(self.root, CONFIG)
+        self.stored = {}
+        self.reader = None
         self.shards = []
         for r in range(2):
             t = {n: torch.zeros(s, dtype=torch.bfloat16)
@@ -73,11 +80,17 @@ class Receivers:
             self.hf_tensors = {n: torch.full(t.shape, float("nan"), dtype=torch.bfloat16)
                                for n, t in expected.items()}
             self.hf = dte.TorchReceiver(self.hf_tensors, config=CONFIG)
+            self.stored = {n: torch.zeros(t.shape, dtype=torch.bfloat16) for n, t in expected.items()}
+            self.reader = dte.StorageReader(self.root, dte.TorchReceiver(self.stored, config=CONFIG))
         report = self.hf.apply(msg)
+        self.writer.write(msg)
+        assert self.reader.poll()["to"] == report["version"]
         for _, rx in self.shards:
             rx.apply(msg)
         bad = sum(int((bits(self.hf_tensors[n]) != bits(expected[n])).sum()) for n in expected)
         assert bad == 0, f"{bad} elements differ from the trainer's gathered parameters"
+        bad = sum(int((bits(self.stored[n]) != bits(expected[n])).sum()) for n in expected)
+        assert bad == 0, f"{bad} elements differ through storage"
         assert self.hf.digest() == tuple(digest)
         assert dte.replica_matches([rx for _, rx in self.shards], digest)
         assert self.hf.verify()

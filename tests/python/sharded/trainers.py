@@ -198,12 +198,16 @@ def run(rank, world, port, scenarios, queue, die=None, continue_after=0):
                 else:
                     assert msg is None
 
+            # the learning rate moves right after every step, before pub.step(): dte must use
+            # the one the step used (its optimizer hook)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1.0 + 0.2 * k))
             send(pub.publish_full())
             # data parallel: each rank its own batches; tensor parallel: the same on every rank
             seed = 1 if kind == "tp" else 1 + rank
             for s, tokens in enumerate(batches(CONFIG, steps=steps, seed=seed)):
                 loss_of(forward, tokens).backward()
                 opt.step()
+                sched.step()
                 opt.zero_grad()
                 if die is not None and s == die and rank == world - 1:
                     # mid-publication: this rank has detected and written its part, and dies
