@@ -264,10 +264,8 @@ class TorchPublisher:
         self._steps = None
         try:
             part, self._steps = run()
-        except Error as e:
-            err = e
-        if self._steps is None:
-            self._steps = self._gather()[3]
+        except Exception as e:  # noqa: BLE001 (any failure here must reach the other ranks,
+            err = e             # or they would wait in the collective below)
         if self._world == 1:
             if err is not None:
                 raise err
@@ -294,7 +292,7 @@ class TorchPublisher:
         if parts is not None:
             try:
                 merged = _native.merge(self._config, parts)
-            except Error as e:
+            except Exception as e:  # noqa: BLE001 (every rank must learn it)
                 problem = (type(e).__name__, str(e))
         problem = self._broadcast_from_dst(problem)
         if problem is not None:
