@@ -178,6 +178,8 @@ class TorchPublisher:
             self._native.continue_after(int(continue_after))
         self._seen = 0  # optimizer steps since the last step()
         self._used = None  # the groups' hyperparameters as the last optimizer step used them
+        # SGD keeps no step count: the updates of each slot, counted here (a parameter without
+        # a gradient is skipped by the step, and must stay known unchanged)
         self._sgd_steps = [0] * len(self._slots)
         self._digest = ()  # the whole publication's (group rank dst, several ranks)
         self._message = None  # the whole publication's bytes and changed elements (dst)
@@ -188,6 +190,14 @@ class TorchPublisher:
     # -- what the optimizer step used (before any scheduler moves lr) --
     def _after_optimizer_step(self):
         self._seen += 1
+        if self._kind == "sgd":
+            # torch.optim.SGD updates exactly the parameters that have a gradient (and, from
+            # their first update on, a momentum buffer); the gradients are still there now
+            state = self._optimizer.state
+            for k, slot in enumerate(self._slots):
+                st = state.get(slot.param)
+                if slot.param.grad is not None and st and st.get("momentum_buffer") is not None:
+                    self._sgd_steps[k] += 1
         used = []
         for g in self._optimizer.param_groups:
             betas = g.get("betas", (0.9, 0.999))
@@ -363,7 +373,6 @@ class TorchPublisher:
                     continue
                 buf = sharded.local_of(buf)
                 sharded.check_local(slot, buf, "optimizer state momentum_buffer")
-                self._sgd_steps[k] += 1
                 a.append(buf.data_ptr())
                 b.append(0)
                 steps.append(self._sgd_steps[k])

@@ -27,7 +27,7 @@ if not hasattr(torch.distributed.fsdp, "fully_shard"):
 
 import dte  # noqa: E402
 import trainers  # noqa: E402
-from trainers import CONFIG, FROZEN  # noqa: E402
+from trainers import CONFIG, FROZEN, SKIPPED  # noqa: E402
 
 STEPS = 21  # K = 1: a full publication and 21 deltas; K = 4: a full one and 21 deltas over 84 steps
 SCENARIOS = [
@@ -128,7 +128,10 @@ def drain(q, procs, scenarios, receivers=None):
             refused.setdefault(item[1], []).append(item[2])
             continue
         _, name, msg, expected, digest, report = item
-        applied = held[name].apply(msg, expected, digest)
+        try:
+            applied = held[name].apply(msg, expected, digest)
+        except Exception as e:
+            raise AssertionError(f"scenario {name}, publication {len(seen[name]) + 1}: {e}") from e
         seen[name].append((applied, report))
     for p in procs:
         p.join(timeout=120)
@@ -146,7 +149,7 @@ def test_sharded_trainers_publish_bit_identical(world):
         for p in procs:
             if p.is_alive():
                 p.kill()
-    for name, *_ in SCENARIOS:
+    for name, _, _, every, _ in SCENARIOS:
         receivers_total = sum(t.numel() for t in held[name].hf_tensors.values())
         pubs = seen[name]
         assert len(pubs) >= 22, name  # a full publication and 21 deltas
@@ -162,6 +165,11 @@ def test_sharded_trainers_publish_bit_identical(world):
         assert all(a["changed"] > 0 for a, _ in pubs[1:]), name
         # the frozen parameter is never written again
         assert not any(FROZEN in a["touched"] for a, _ in pubs if not a["full"]), name
+        # a parameter without a gradient in a step (every third) is unchanged by it
+        if every == 1 and name != "fsdp2-refuse":
+            skipped = [pubs[k][0] for k in range(1, len(pubs)) if (k - 1) % 3 == 1]
+            assert skipped and not any(SKIPPED in a["touched"] for a in skipped), name
+            assert any(SKIPPED in a["touched"] for a, _ in pubs[1:]), name
         # the receiving rank scans only the elements it sends, not the model (HSDP: replicate
         # coordinate 0 sends every element, the other replicas none)
         scanned = pubs[-1][1]["scanned"]

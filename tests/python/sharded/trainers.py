@@ -27,6 +27,7 @@ from tiny_qwen3 import CONFIG as TINY, Layer, TinyQwen3, batches  # noqa: E402
 # its own backward when 3 ranks split 160 rows unevenly, "Sharding propagation failed")
 CONFIG = dict(TINY, vocab_size=385, head_dim=2, intermediate_size=162)
 FROZEN = "model.layers.0.post_attention_layernorm.weight"
+SKIPPED = "model.layers.1.mlp.up_proj.weight"  # no gradient every third step
 
 
 def model_for(rank_seed=0):
@@ -206,6 +207,10 @@ def run(rank, world, port, scenarios, queue, die=None, continue_after=0):
             seed = 1 if kind == "tp" else 1 + rank
             for s, tokens in enumerate(batches(CONFIG, steps=steps, seed=seed)):
                 loss_of(forward, tokens).backward()
+                if s % 3 == 1:
+                    # a parameter without a gradient this step (unused): the optimizer skips it,
+                    # its step count stays, and dte must know it unchanged
+                    {hf_name(n): p for n, p in model.named_parameters()}[SKIPPED].grad = None
                 opt.step()
                 sched.step()
                 opt.zero_grad()
