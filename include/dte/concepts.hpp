@@ -95,7 +95,7 @@ concept transfer_plan = requires(const P& p, layout::BufferKind b) {
 
 // The trainer's state as the engine reads it, per trainer rank, buffer and plan segment: the
 // rank's FP32 shard of the buffer (theta(rank, b)), or, for a rank whose pieces live apart (a
-// sharded PyTorch trainer's local tensors: layout/local_shards.hpp), each segment's weights
+// sharded PyTorch trainer's local tensors: layout/identity.hpp), each segment's weights
 // (segment_theta(rank, b, s); the publisher's sender frame only); the segment's hyperparameters
 // (its parameter group's, after the scheduler) and its optimizer state (spans over the
 // segment). The engine binds the inverse.

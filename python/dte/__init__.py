@@ -241,10 +241,11 @@ class TorchPublisher:
         """Every element, now (the first publication, or to resynchronise a receiver)."""
         def run():
             theta, _, _, steps = self._gather()
-            return self._native.publish_full(theta), steps
+            out = self._native.publish_full(theta)
+            self._native.resync(steps, False)  # the next step() inverts the step after this one
+            return out
 
         out = self._agree(run)
-        self._native.resync(self._steps, False)  # the next step() inverts the step after this one
         self._seen = 0
         return out
 
@@ -260,7 +261,7 @@ class TorchPublisher:
                     "publication will be full")
             self._seen = 0
             theta, a, b, steps = self._gather()
-            return self._native.step(self._used, theta, a, b, steps), steps
+            return self._native.step(self._used, theta, a, b, steps)
 
         return self._agree(run)
 
@@ -271,9 +272,8 @@ class TorchPublisher:
         dst) or all abort, and the next one is full."""
         err = None
         part = None
-        self._steps = None
         try:
-            part, self._steps = run()
+            part = run()
         except Exception as e:  # noqa: BLE001 (any failure here must reach the other ranks,
             err = e             # or they would wait in the collective below)
         if self._world == 1:
@@ -301,7 +301,7 @@ class TorchPublisher:
         merged, problem = None, None
         if parts is not None:
             try:
-                merged = _native.merge(self._config, parts)
+                merged, digest, changed = _native.merge(self._config, parts)
             except Exception as e:  # noqa: BLE001 (every rank must learn it)
                 problem = (type(e).__name__, str(e))
         problem = self._broadcast_from_dst(problem)
@@ -313,7 +313,7 @@ class TorchPublisher:
         self._native.commit()
         if merged is None:
             return None
-        _, self._digest, changed = _native.message_digest(self._config, merged)
+        self._digest = digest
         self._message = (len(merged), changed)
         return merged
 

@@ -383,17 +383,19 @@ void bind_publisher(nb::module_& m, const char* name) {
       .def("last", &P::last);
 }
 
-// The writers' parts of one version as one message.
-nb::bytes merge(const std::string& config, const std::vector<nb::bytes>& parts) {
+// The writers' parts of one version as one message, with its digest (per canonical tensor) and
+// changed elements.
+nb::tuple merge(const std::string& config, const std::vector<nb::bytes>& parts) {
   std::vector<std::span<const std::byte>> views;
   for (const nb::bytes& p : parts)
     views.push_back(view(p));
   Bytes out;
+  dte::storage::Manifest m;
   {
     nb::gil_scoped_release release;
-    out = dte::publication::merge(model_of(config), views);
+    out = dte::publication::merge(model_of(config), views, &m);
   }
-  return to_python(out);
+  return nb::make_tuple(to_python(out), m.digest, m.changed);
 }
 
 // Every writer's pieces (tensor, index, length, sender): each element sent exactly once.
@@ -410,14 +412,6 @@ void check_writers(
       out.push_back({tensor, index, length, sender});
   }
   dte::layout::check_writers(hf, w);
-}
-
-// A message's version, digest (per canonical tensor) and changed elements, from its manifest.
-nb::tuple message_digest(const std::string& config, const nb::bytes& msg) {
-  const dte::layout::ModelSpec spec = dte::publication::named_by_structure(model_of(config));
-  const dte::layout::HfModel hf(spec);
-  const auto v = dte::publication::decode(hf, view(msg), "publication");
-  return nb::make_tuple(v.manifest.version, v.manifest.digest, v.manifest.changed);
 }
 
 std::vector<std::span<std::uint16_t>> spans(const std::vector<std::uintptr_t>& ptrs,
@@ -597,7 +591,6 @@ NB_MODULE(_native, m) {
   m.def("check_replica", &check_replica, "ranks"_a, "digest"_a);
   m.def("merge", &merge, "config"_a, "parts"_a);
   m.def("check_writers", &check_writers, "config"_a, "writers"_a);
-  m.def("message_digest", &message_digest, "config"_a, "message"_a);
   m.def("check_replica_digests", &check_replica_digests, "config"_a, "tp"_a, "ep"_a,
         "rank_digests"_a, "digest"_a);
 

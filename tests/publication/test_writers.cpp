@@ -20,7 +20,7 @@
 
 #include "dte/detect/detect.hpp"
 #include "dte/error.hpp"
-#include "dte/layout/local_shards.hpp"
+#include "dte/layout/identity.hpp"
 #include "dte/layout/model.hpp"
 #include "dte/layout/serving.hpp"
 #include "dte/optim/adam.hpp"

@@ -202,9 +202,11 @@ inline std::vector<storage::Chunk> chunks(const layout::HfModel& hf, const View&
 // message: every part checked as decode() checks a message, all of the same model, version and
 // base and of this many writers, each holding only its writer's chunks; the chunks listed writer
 // by writer, the changed counts and the digests summed (each writer's digest covers what it
-// sends; together they send every element once).
+// sends; together they send every element once). manifest: where the merged manifest goes, for a
+// caller that wants its digest and counts without decoding the message again.
 inline Bytes merge(const layout::ModelSpec& model,
-                   std::span<const std::span<const std::byte>> parts) {
+                   std::span<const std::span<const std::byte>> parts,
+                   storage::Manifest* manifest = nullptr) {
   const layout::ModelSpec spec = named_by_structure(model);
   const layout::HfModel hf(spec);
   if (parts.empty()) throw invalid_argument("dte::publication::merge: no parts");
@@ -243,7 +245,9 @@ inline Bytes merge(const layout::ModelSpec& model,
     for (std::size_t t = 0; t < p.digest.size(); ++t)
       m.digest[t] += p.digest[t];
   }
-  return encode(spec, m, blobs);
+  Bytes out = encode(spec, m, blobs);
+  if (manifest != nullptr) *manifest = std::move(m);
+  return out;
 }
 
 }  // namespace dte::publication

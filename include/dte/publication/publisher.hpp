@@ -3,7 +3,7 @@
 // (publication/message.hpp) instead of sending to receivers it knows. Either one trainer that
 // holds the whole model in HF layout (a PyTorch model, a user's own loop: the Identity layout),
 // or one writer of several: each rank of a sharded trainer holds pieces of HF tensors
-// (layout/local_shards.hpp) and publishes its part; merge() (publication/message.hpp) makes the
+// (layout/identity.hpp) and publishes its part; merge() (publication/message.hpp) makes the
 // parts of one version one message. The sender frame is the engine's (pipeline/frame.hpp:
 // validate, reconstruct, detect with the guard band, compact, the K-step dirty mask); its sink is
 // storage's chunk sink, in memory.
@@ -37,7 +37,6 @@
 #include "dte/exec/host.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/identity.hpp"
-#include "dte/layout/local_shards.hpp"
 #include "dte/pipeline/frame.hpp"
 #include "dte/publication/message.hpp"
 #include "dte/storage/chunk_sink.hpp"
