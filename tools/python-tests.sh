@@ -30,7 +30,11 @@ fi
 if ! "$venv/bin/python" -c "import nanobind, scikit_build_core, pytest" 2>/dev/null; then
   "$venv/bin/python" -m pip install -q "nanobind>=2.0" "scikit-build-core>=0.8" pytest
 fi
-# (no build isolation: the venv already has the build requirements, and a rebuild is incremental)
+# (no build isolation: the venv already has the build requirements, and a rebuild is incremental;
+# where nvcc is, the CUDA publisher is compiled in: tests/python/test_cuda.py runs it on a GPU)
+if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
+  export PATH="/usr/local/cuda/bin:$PATH"
+fi
 "$venv/bin/python" -m pip install -q --no-build-isolation "$root"
 cd "$root/tests/python"
 "$venv/bin/python" -m pytest -q --ignore=on_vllm --ignore=sharded "$@"
@@ -41,7 +45,10 @@ cd "$root/tests/python"
 if [ "${DTE_SKIP_VLLM:-0}" != "1" ] || [ "${DTE_SKIP_SHARDED:-0}" != "1" ]; then
   "$root/tools/install-deps.sh" vllm
   vllm_venv="${DTE_VLLM_VENV:-$root/build/vllm-venv}"
-  "$vllm_venv/bin/python" -m pip install -q --no-build-isolation "$root"
+  # (without the CUDA publisher: the tests here are the CPU paths, and the build above compiled
+  # it; a build directory of its own, so that neither build undoes the other's)
+  "$vllm_venv/bin/python" -m pip install -q --no-build-isolation \
+    -C cmake.define.DTE_PYTHON_CUDA=OFF -C build-dir="$root/build/python-vllm" "$root"
   if [ "${DTE_SKIP_SHARDED:-0}" != "1" ]; then
     "$vllm_venv/bin/python" -m pytest -q "$root/tests/python/sharded"
   fi

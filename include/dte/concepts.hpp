@@ -112,6 +112,14 @@ concept trainer_access = optimizer_inverse<Inverse> &&
       { a.segment_theta(rank, b, s) } -> std::convertible_to<std::span<const float>>;
     });
 
+// A trainer_access that gives each plan segment's weights apart (segment_theta) rather than one
+// span per buffer: the sender stages then read each segment where it lives.
+template <class A>
+concept segmented_access = requires(const A& a, std::int64_t rank, layout::BufferKind b,
+                                    const layout::PlanSegment& s) {
+  a.segment_theta(rank, b, s);
+};
+
 // Carries the pipeline's data-parallel stages (exec/host.hpp; exec/cuda.cuh, whose device
 // stages are pipeline/device.cuh and whose sender is engine/device_sender.cuh):
 //   for_each(n, f(i, worker)), for_each_ordered(n, par(i, worker), ser(i, worker)) (ser in

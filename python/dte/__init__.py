@@ -114,7 +114,9 @@ class TorchPublisher:
     optimizer's parameters), with config=. optimizer: torch.optim.AdamW, torch.optim.Adam (L2
     weight decay) or torch.optim.SGD with momentum over those parameters, or a
     ZeroRedundancyOptimizer around one. Each rank's weights and optimizer state are read where
-    they live (dte/sharded.py), every step: nothing is copied or moved.
+    they live (dte/sharded.py), every step: nothing is copied or moved. They live on the CPU or
+    on one CUDA device per rank: on a GPU the detect pass runs there (the package built with
+    nvcc: dte._native.cuda_built) and only the changed elements come to the host.
 
     Call step() after every optimizer.step(): it returns the next publication (bytes) every
     publish_every steps, else None. publish_full() returns a full one at any time.
@@ -160,6 +162,9 @@ class TorchPublisher:
         inner = sharded.inner_optimizer(optimizer)
         self._slots = sharded.slots(model, info["names"], info["shapes"], self._rank,
                                     sharded.zero_owner(optimizer))
+        # one device for all of this rank's tensors: the CPU, or a CUDA device (the detect pass
+        # runs there and only the changed elements come to the host)
+        self._device = sharded.device_of(self._slots, _native.cuda_built)
         kind, slot_group = _optimizer_kind(inner, model, self._slots)
         self._kind = kind
         self._optimizer = inner
@@ -169,11 +174,10 @@ class TorchPublisher:
         # Every element once among the ranks' senders, checked on every rank alike (so all
         # raise together) before anything is published.
         _native.check_writers(self._config, self._all_gather(mine))
-        cls = {"adamw": _native.AdamWPublisher, "adam": _native.AdamPublisher,
-               "sgd": _native.SgdPublisher}[kind]
-        self._native = cls(self._config, publish_every, zstd_level, encoding == "diff", pieces,
-                           [s.numel for s in self._slots], slot_group, kind == "adamw",
-                           self._rank, self._world)
+        self._native = _native.Publisher(
+            kind, self._config, publish_every, zstd_level, encoding == "diff", pieces,
+            [s.numel for s in self._slots], slot_group, kind == "adamw", self._rank, self._world,
+            -1 if self._device.type == "cpu" else self._device.index)
         if continue_after:
             self._native.continue_after(int(continue_after))
         self._seen = 0  # optimizer steps since the last step()
@@ -241,7 +245,7 @@ class TorchPublisher:
         """Every element, now (the first publication, or to resynchronise a receiver)."""
         def run():
             theta, _, _, steps = self._gather()
-            out = self._native.publish_full(theta)
+            out = self._native.publish_full(theta, self._stream())
             self._native.resync(steps, False)  # the next step() inverts the step after this one
             return out
 
@@ -261,7 +265,7 @@ class TorchPublisher:
                     "publication will be full")
             self._seen = 0
             theta, a, b, steps = self._gather()
-            return self._native.step(self._used, theta, a, b, steps)
+            return self._native.step(self._used, theta, a, b, steps, self._stream())
 
         return self._agree(run)
 
@@ -345,6 +349,13 @@ class TorchPublisher:
         dist.broadcast_object_list(box, src=self._global(self._dst), group=self._group)
         return box[0]
 
+    def _stream(self) -> int:
+        """The stream the optimizer step ran on (CUDA: the device's current stream, which the
+        native side waits for before it reads), 0 on the CPU."""
+        if self._device.type == "cpu":
+            return 0
+        return _torch().cuda.current_stream(self._device).cuda_stream
+
     def _gather(self):
         """Per slot: the weights' and the state's addresses (0: none) and its step count."""
         torch = _torch()
@@ -356,7 +367,7 @@ class TorchPublisher:
         sgd = self._kind == "sgd"
         for k, slot in enumerate(self._slots):
             x = slot.local()
-            sharded.check_local(slot, x, "parameter")
+            sharded.check_local(slot, x, "parameter", self._device)
             theta.append(x.data_ptr())
             st = state.get(slot.param)
             if not st:
@@ -372,15 +383,15 @@ class TorchPublisher:
                     steps.append(self._sgd_steps[k])
                     continue
                 buf = sharded.local_of(buf)
-                sharded.check_local(slot, buf, "optimizer state momentum_buffer")
+                sharded.check_local(slot, buf, "optimizer state momentum_buffer", self._device)
                 a.append(buf.data_ptr())
                 b.append(0)
                 steps.append(self._sgd_steps[k])
             else:
                 m = sharded.local_of(st["exp_avg"])
                 v = sharded.local_of(st["exp_avg_sq"])
-                sharded.check_local(slot, m, "optimizer state exp_avg")
-                sharded.check_local(slot, v, "optimizer state exp_avg_sq")
+                sharded.check_local(slot, m, "optimizer state exp_avg", self._device)
+                sharded.check_local(slot, v, "optimizer state exp_avg_sq", self._device)
                 a.append(m.data_ptr())
                 b.append(v.data_ptr())
                 s = st["step"]

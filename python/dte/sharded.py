@@ -212,13 +212,43 @@ def slots(model, names: Sequence[str], shapes: Sequence[Sequence[int]], rank: in
     return out
 
 
-def check_local(slot: Slot, x, what: str, device_ok=("cpu",)):
-    """A slot's tensor (weights or state) as the native side reads it: FP32, contiguous, its size."""
+def device_of(slots: Sequence[Slot], cuda_built: bool):
+    """Where this rank's tensors live, one device for all: the CPU, or one CUDA device (the
+    device path: the native side detects there and brings only the changes to the host)."""
     torch = _torch()
-    if x.device.type not in device_ok:
+    first = {}
+    for s in slots:
+        device = s.local().device
+        if device.type not in ("cpu", "cuda"):
+            raise UnsupportedError(
+                f"parameter of {s.name} is on {device}: dte reads CPU and CUDA tensors")
+        first.setdefault(device, s.name)
+    if not first:
+        return torch.device("cpu")
+    if len(first) > 1:
+        (d0, n0), (d1, n1) = list(first.items())[:2]
+        raise InvalidArgument(
+            f"TorchPublisher: parameter of {n0} is on {d0} and parameter of {n1} on {d1}: a "
+            "publisher reads the tensors of one device (one trainer process per GPU)")
+    ((device, name),) = first.items()
+    if device.type == "cpu":
+        return device
+    if not cuda_built:
         raise UnsupportedError(
-            f"{what} of {slot.name} is on {x.device}: this build of the Python binding reads CPU "
-            "tensors (the CUDA path is the C++ DeltaEngine over NCCL)")
+            f"parameter of {name} is on {device}: this dte._native was built without CUDA (nvcc "
+            "was not found when the package was built); install it again with nvcc on PATH")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.device("cuda", index)
+
+
+def check_local(slot: Slot, x, what: str, device):
+    """A slot's tensor (weights or state) as the native side reads it: FP32, contiguous, its
+    size, on the publisher's device."""
+    torch = _torch()
+    if x.device != device:
+        raise InvalidArgument(
+            f"{what} of {slot.name} is on {x.device} where the publisher reads {device} (the "
+            "weights and the optimizer state of one rank on one device)")
     if x.dtype != torch.float32 or not x.is_contiguous() or x.numel() != slot.numel:
         raise InvalidArgument(
             f"{what} of {slot.name} is {x.dtype} {tuple(x.shape)}{'' if x.is_contiguous() else ' (strided)'}: "

@@ -1,11 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 // dte._native: the C++ side of the Python package (python/dte/__init__.py holds the torch side).
-// It binds publication::Publisher over a rank's local pieces (one per optimizer inverse) and
-// merge(), HfReceiver and ShardReceiver,
-// and the storage adapters, over memory the Python side has checked (dtype, device, size,
-// contiguity) and keeps alive: tensors arrive as addresses, so no per-tensor conversion runs
-// in a publication. The GIL is released during every pass and apply. dte's exceptions become
-// the dte.Error classes below.
+// It binds the publisher of publisher.hpp (over a rank's local pieces, on the host or, built with
+// CUDA, on a device: cuda_publisher.hpp) and merge(), HfReceiver and ShardReceiver, and the
+// storage adapters, over memory the Python side has checked (dtype, device, size, contiguity)
+// and keeps alive: tensors arrive as addresses, so no per-tensor conversion runs in a
+// publication. The GIL is released during every pass and apply. dte's exceptions become the
+// dte.Error classes below.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
@@ -21,6 +21,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cuda_publisher.hpp"
 #include "dte/detect/detect.hpp"
 #include "dte/error.hpp"
 #include "dte/io/model_config.hpp"
@@ -33,6 +34,23 @@
 #include "dte/publication/publisher.hpp"
 #include "dte/publication/receiver.hpp"
 #include "dte/publication/storage.hpp"
+#include "publisher.hpp"
+
+#if defined(DTE_PYTHON_CUDA)
+#define DTE_PYTHON_CUDA_BUILT true
+#else
+#define DTE_PYTHON_CUDA_BUILT false
+// Built without nvcc: CUDA tensors are refused by name (the Python side checks cuda_built first).
+std::unique_ptr<dte::python::AnyPublisher> dte::python::make_cuda_publisher(
+    const std::string&, const dte::python::PublisherArgs&, int device) {
+  throw dte::unsupported("dte: the tensors are on CUDA device " + std::to_string(device) +
+                         " but this dte._native was built without CUDA (nvcc was not found when "
+                         "the package was built): install it again with nvcc on PATH");
+}
+int dte::python::cuda_devices() noexcept {
+  return 0;
+}
+#endif
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -132,256 +150,65 @@ nb::dict publish_dict(const dte::publication::PublishReport& r) {
   return d;
 }
 
-// One parameter group's hyperparameters as Python passes them each step.
-struct Group {
-  double lr, weight_decay, beta1, beta2, eps, momentum, dampening;
-};
+using dte::python::Group;
 
-// A publisher over one optimizer inverse, for one trainer rank of `writers` (one: the whole
-// model in one process). Python passes, once, the pieces of HF tensors this rank holds
-// (layout::LocalPiece, each with its slot: the local tensor it lives in, and its offset there)
-// and each slot's element count and parameter group; then per step the groups'
-// hyperparameters as the step used them and per slot its weights' and state's addresses and
-// its step count. Every piece is read where it lives (the frame's segmented access): nothing is
-// copied or moved.
-template <class Inverse>
+// dte.TorchPublisher's native half: the publisher of python/src/publisher.hpp, on the host or
+// (device >= 0) on a CUDA device (cuda_publisher.cu), with the GIL released while it works.
 class PyPublisher {
  public:
-  using Pub = dte::publication::Publisher<Inverse, dte::BF16Detect, dte::layout::LocalShardPlan>;
-
-  struct Piece {
-    std::int64_t tensor, index, length;
-    bool sender;
-    std::int64_t slot, offset;
-  };
-
-  PyPublisher(const std::string& config, std::int64_t publish_every, int zstd_level, bool diff,
-              const std::vector<std::tuple<std::int64_t, std::int64_t, std::int64_t, bool,
-                                           std::int64_t, std::int64_t>>& pieces,
+  PyPublisher(const std::string& kind, const std::string& config, std::int64_t publish_every,
+              int zstd_level, bool diff, std::vector<dte::python::PieceTuple> pieces,
               std::vector<std::int64_t> slot_numel, std::vector<std::int64_t> slot_group,
-              bool decoupled, std::uint32_t writer, std::uint32_t writers)
-      : pub_(model_of(config), local_pieces(pieces), {writer, writers},
-             {.publish_every = publish_every,
-              .zstd_level = zstd_level,
-              .encoding = diff ? dte::storage::Encoding::diff : dte::storage::Encoding::value}),
-        numel_(std::move(slot_numel)),
-        group_of_(std::move(slot_group)),
-        decoupled_(decoupled) {
-    if (group_of_.size() != numel_.size()) {
-      throw dte::invalid_argument("dte._native publisher: per-slot lists of different lengths");
-    }
-    for (const auto& [tensor, index, length, sender, slot, offset] : pieces) {
-      if (slot < 0 || static_cast<std::size_t>(slot) >= numel_.size() || offset < 0 ||
-          offset > numel_[static_cast<std::size_t>(slot)] - length) {
-        throw dte::invalid_argument("dte._native publisher: a piece of " +
-                                    pub_.model().name(tensor) + " lies outside its local tensor");
-      }
-      pieces_.push_back({tensor, index, length, sender, slot, offset});
-    }
-    const auto n = numel_.size();
-    theta_.assign(n, nullptr);
-    hyper_.resize(n);
-    s0_.assign(n, nullptr);
-    s1_.assign(n, nullptr);
-    last_step_.assign(n, 0);
-    for (std::int64_t x : numel_)
-      zeros_size_ = std::max(zeros_size_, x);
+              bool decoupled, std::uint32_t writer, std::uint32_t writers, int device) {
+    const dte::python::PublisherArgs args{.model = model_of(config),
+                                          .publish_every = publish_every,
+                                          .zstd_level = zstd_level,
+                                          .diff = diff,
+                                          .pieces = std::move(pieces),
+                                          .slot_numel = std::move(slot_numel),
+                                          .slot_group = std::move(slot_group),
+                                          .decoupled = decoupled,
+                                          .writer = writer,
+                                          .writers = writers};
+    p_ = device < 0 ? dte::python::make_publisher<dte::python::HostMemory>(kind, args)
+                    : dte::python::make_cuda_publisher(kind, args, device);
   }
 
-  // Per slot: weights, state addresses (0: no state yet) and step count; per group:
-  // hyperparameters. A part (several writers) awaits commit() / abort().
   std::optional<nb::bytes> step(const std::vector<Group>& groups,
                                 const std::vector<std::uintptr_t>& theta,
                                 const std::vector<std::uintptr_t>& a,
                                 const std::vector<std::uintptr_t>& b,
-                                const std::vector<std::int64_t>& steps) {
-    bind(groups, theta, a, b, steps);
+                                const std::vector<std::int64_t>& steps, std::uintptr_t stream) {
     std::optional<Bytes> out;
     {
       nb::gil_scoped_release release;
-      out = pub_.step(Access{this});
+      out = p_->step(groups, theta, a, b, steps, stream);
     }
     if (!out) return std::nullopt;
     return to_python(*out);
   }
 
-  nb::bytes publish_full(const std::vector<std::uintptr_t>& theta) {
-    set_theta(theta);
+  nb::bytes publish_full(const std::vector<std::uintptr_t>& theta, std::uintptr_t stream) {
     Bytes out;
     {
       nb::gil_scoped_release release;
-      out = pub_.publish(Access{this}, true);
+      out = p_->publish_full(theta, stream);
     }
     return to_python(out);
   }
 
-  void commit() { pub_.commit(); }
-  void abort() { pub_.abort(); }
-  void require_full() { pub_.require_full(); }
-  void continue_after(std::uint64_t v) { pub_.continue_after(v); }
-  // The step counts as they are now are the start of the next step (a new publisher over an
-  // optimizer that stepped before, or a full publication); full: the caller lost track of the
-  // optimizer steps, so the next publication is full.
-  void resync(const std::vector<std::int64_t>& steps, bool full) {
-    if (steps.size() != last_step_.size()) {
-      throw dte::invalid_argument("dte._native publisher: per-slot lists of the wrong length");
-    }
-    last_step_ = steps;
-    if (full) pub_.require_full();
-  }
-
-  [[nodiscard]] std::uint64_t version() const { return pub_.version(); }
-  [[nodiscard]] std::vector<std::uint32_t> digest() const { return pub_.digest(); }
-  [[nodiscard]] nb::dict last() const { return publish_dict(pub_.last()); }
+  void commit() { p_->commit(); }
+  void abort() { p_->abort(); }
+  void require_full() { p_->require_full(); }
+  void continue_after(std::uint64_t v) { p_->continue_after(v); }
+  void resync(const std::vector<std::int64_t>& steps, bool full) { p_->resync(steps, full); }
+  [[nodiscard]] std::uint64_t version() const { return p_->version(); }
+  [[nodiscard]] std::vector<std::uint32_t> digest() const { return p_->digest(); }
+  [[nodiscard]] nb::dict last() const { return publish_dict(p_->last()); }
 
  private:
-  // What the frame reads: each piece where it lives.
-  struct Access {
-    const PyPublisher* p;
-    [[nodiscard]] const Piece& piece(const dte::layout::PlanSegment& s) const {
-      return p->pieces_[static_cast<std::size_t>(p->pub_.plan().source(s))];
-    }
-    [[nodiscard]] std::span<const float> segment_theta(std::int64_t, dte::layout::BufferKind,
-                                                       const dte::layout::PlanSegment& s) const {
-      const Piece& q = piece(s);
-      return {p->theta_[static_cast<std::size_t>(q.slot)] + q.offset,
-              static_cast<std::size_t>(q.length)};
-    }
-    [[nodiscard]] typename Inverse::hyperparameters hyperparameters(
-        std::int64_t, dte::layout::BufferKind, const dte::layout::PlanSegment& s) const {
-      return p->hyper_[static_cast<std::size_t>(piece(s).slot)];
-    }
-    [[nodiscard]] typename Inverse::state state(std::int64_t, dte::layout::BufferKind,
-                                                const dte::layout::PlanSegment& s) const {
-      const Piece& q = piece(s);
-      const auto k = static_cast<std::size_t>(q.slot);
-      const auto n = static_cast<std::size_t>(q.length);
-      if constexpr (std::is_same_v<Inverse, dte::SgdMomentumInverse>) {
-        return {std::span<const float>(p->s0_[k] + q.offset, n)};
-      } else {
-        return {std::span<const float>(p->s0_[k] + q.offset, n),
-                std::span<const float>(p->s1_[k] + q.offset, n)};
-      }
-    }
-  };
-
-  static std::vector<dte::layout::LocalPiece> local_pieces(
-      const std::vector<std::tuple<std::int64_t, std::int64_t, std::int64_t, bool, std::int64_t,
-                                   std::int64_t>>& pieces) {
-    std::vector<dte::layout::LocalPiece> out;
-    for (const auto& [tensor, index, length, sender, slot, offset] : pieces)
-      out.push_back({tensor, index, length, sender});
-    return out;
-  }
-
-  void set_theta(const std::vector<std::uintptr_t>& theta) {
-    if (theta.size() != numel_.size()) {
-      throw dte::invalid_argument("dte._native publisher: per-slot lists of the wrong length");
-    }
-    for (std::size_t k = 0; k < theta.size(); ++k)
-      theta_[k] = address<const float>(theta[k]);
-  }
-
-  // Each slot's kernel inputs for this step. A slot whose step count did not move was not
-  // updated (torch skips parameters without a gradient): its inverse is the identity (lr 0).
-  void bind(const std::vector<Group>& groups, const std::vector<std::uintptr_t>& theta,
-            const std::vector<std::uintptr_t>& a, const std::vector<std::uintptr_t>& b,
-            const std::vector<std::int64_t>& steps) {
-    const std::size_t n = numel_.size();
-    if (a.size() != n || b.size() != n || steps.size() != n) {
-      throw dte::invalid_argument("dte._native publisher: per-slot lists of the wrong length");
-    }
-    set_theta(theta);
-    if (zeros_.empty()) zeros_.assign(static_cast<std::size_t>(zeros_size_), 0.0f);
-    for (std::size_t t = 0; t < n; ++t) {
-      if (group_of_[t] < 0) {
-        // Frozen (in no parameter group): never updated, its inverse the identity.
-        set(t, {0.0, 0.0, 0.9, 0.999, 1e-8, 0.9, 0.0}, 1, false, zeros_.data(), zeros_.data());
-        continue;
-      }
-      const auto g = static_cast<std::size_t>(group_of_[t]);
-      if (g >= groups.size()) throw dte::invalid_argument("dte._native publisher: bad group");
-      const Group& G = groups[g];
-      const bool moved = steps[t] != last_step_[t];
-      if (steps[t] < last_step_[t] || steps[t] > last_step_[t] + 1) {
-        const std::int64_t before = last_step_[t];
-        pub_.require_full();
-        last_step_ = steps;
-        throw dte::protocol_error(
-            "local tensor " + std::to_string(t) + ": the optimizer's step count went from " +
-            std::to_string(before) + " to " + std::to_string(steps[t]) +
-            " between two calls of step(); dte inverts exactly one optimizer step per call "
-            "(call pub.step() after every optimizer.step()). The next publication will be full");
-      }
-      last_step_[t] = steps[t];
-      const float* s0 = address<const float>(a[t]);
-      const float* s1 = address<const float>(b[t]);
-      if (a[t] == 0 || (needs_second() && b[t] == 0)) {
-        // No state: never updated (lr 0 below); zeros stand in for the moments.
-        s0 = zeros_.data();
-        s1 = zeros_.data();
-      }
-      set(t, G, moved ? steps[t] : std::max<std::int64_t>(steps[t], 1), moved, s0, s1);
-    }
-  }
-
-  static constexpr bool needs_second() { return !std::is_same_v<Inverse, dte::SgdMomentumInverse>; }
-
-  void set(std::size_t t, const Group& G, std::int64_t step, bool moved, const float* s0,
-           const float* s1) {
-    s0_[t] = s0;
-    s1_[t] = s1;
-    if constexpr (std::is_same_v<Inverse, dte::SgdMomentumInverse>) {
-      hyper_[t] = {.lr = moved ? G.lr : 0.0,
-                   .momentum = G.momentum,
-                   .dampening = G.dampening,
-                   .weight_decay = G.weight_decay};
-    } else {
-      hyper_[t] = {.lr = moved ? G.lr : 0.0,
-                   .weight_decay = G.weight_decay,
-                   .beta1 = G.beta1,
-                   .beta2 = G.beta2,
-                   .eps = G.eps,
-                   .step = step,
-                   .decay_form = decoupled_ ? dte::DecayForm::multiply : dte::DecayForm::unknown};
-    }
-  }
-
-  Pub pub_;
-  std::vector<Piece> pieces_;
-  std::vector<std::int64_t> numel_;     // per slot
-  std::vector<std::int64_t> group_of_;  // per slot (-1: frozen)
-  bool decoupled_;
-  std::vector<const float*> theta_;
-  std::vector<typename Inverse::hyperparameters> hyper_;
-  std::vector<const float*> s0_, s1_;
-  std::vector<std::int64_t> last_step_;
-  std::int64_t zeros_size_ = 0;
-  std::vector<float> zeros_;
+  std::unique_ptr<dte::python::AnyPublisher> p_;
 };
-
-template <class Inverse>
-void bind_publisher(nb::module_& m, const char* name) {
-  using P = PyPublisher<Inverse>;
-  nb::class_<P>(m, name)
-      .def(nb::init<const std::string&, std::int64_t, int, bool,
-                    const std::vector<std::tuple<std::int64_t, std::int64_t, std::int64_t, bool,
-                                                 std::int64_t, std::int64_t>>&,
-                    std::vector<std::int64_t>, std::vector<std::int64_t>, bool, std::uint32_t,
-                    std::uint32_t>(),
-           "config"_a, "publish_every"_a, "zstd_level"_a, "diff"_a, "pieces"_a, "slot_numel"_a,
-           "slot_group"_a, "decoupled"_a, "writer"_a, "writers"_a)
-      .def("step", &P::step)
-      .def("publish_full", &P::publish_full)
-      .def("commit", &P::commit)
-      .def("abort", &P::abort)
-      .def("require_full", &P::require_full)
-      .def("resync", &P::resync)
-      .def("continue_after", &P::continue_after)
-      .def_prop_ro("version", &P::version)
-      .def("digest", &P::digest)
-      .def("last", &P::last);
-}
 
 // The writers' parts of one version as one message, with its digest (per canonical tensor) and
 // changed elements.
@@ -597,9 +424,26 @@ NB_MODULE(_native, m) {
   nb::class_<Group>(m, "Group")
       .def(nb::init<double, double, double, double, double, double, double>(), "lr"_a,
            "weight_decay"_a, "beta1"_a, "beta2"_a, "eps"_a, "momentum"_a, "dampening"_a);
-  bind_publisher<dte::AdamWInverse>(m, "AdamWPublisher");
-  bind_publisher<dte::AdamInverse>(m, "AdamPublisher");
-  bind_publisher<dte::SgdMomentumInverse>(m, "SgdPublisher");
+  nb::class_<PyPublisher>(m, "Publisher")
+      .def(nb::init<const std::string&, const std::string&, std::int64_t, int, bool,
+                    std::vector<dte::python::PieceTuple>, std::vector<std::int64_t>,
+                    std::vector<std::int64_t>, bool, std::uint32_t, std::uint32_t, int>(),
+           "kind"_a, "config"_a, "publish_every"_a, "zstd_level"_a, "diff"_a, "pieces"_a,
+           "slot_numel"_a, "slot_group"_a, "decoupled"_a, "writer"_a, "writers"_a, "device"_a)
+      .def("step", &PyPublisher::step, "groups"_a, "theta"_a, "a"_a, "b"_a, "steps"_a,
+           "stream"_a = 0)
+      .def("publish_full", &PyPublisher::publish_full, "theta"_a, "stream"_a = 0)
+      .def("commit", &PyPublisher::commit)
+      .def("abort", &PyPublisher::abort)
+      .def("require_full", &PyPublisher::require_full)
+      .def("resync", &PyPublisher::resync)
+      .def("continue_after", &PyPublisher::continue_after)
+      .def_prop_ro("version", &PyPublisher::version)
+      .def("digest", &PyPublisher::digest)
+      .def("last", &PyPublisher::last);
+  // Whether this build has the CUDA publisher (nvcc was found), and the devices it sees.
+  m.attr("cuda_built") = DTE_PYTHON_CUDA_BUILT;
+  m.def("cuda_devices", &dte::python::cuda_devices);
 
   nb::class_<PyHfReceiver>(m, "HfReceiver")
       .def(nb::init<const std::string&, const std::vector<std::uintptr_t>&,

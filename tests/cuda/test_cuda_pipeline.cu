@@ -271,11 +271,12 @@ TEST_CASE("more than 2^31 elements: 64-bit offsets through detect, compact, rout
   const std::vector<dte::pipeline::RunTarget> targets = {{1, 3, 0}};
   const dte::pipeline::WorkTable work(runs, segs, dev::item_elements);
   const dev::DeviceTables tables(e, work, runs, targets, n);
+  const auto weights = dev::buffer_weights(e, theta.data(), segs);
   const Kernel host_kernel{theta.data(), published.data(), static_cast<std::size_t>(n)};
   const auto kernels = DeviceArray<Kernel>::copy_of(e, std::span<const Kernel>(&host_kernel, 1));
   DeviceArray<std::uint64_t> send(e, static_cast<std::size_t>((n + 63) / 64));
   const dev::DetectResult d = dev::detect<dte::BF16Detect>(
-      e, tables, kernels.data(), theta.data(), ScanMode::detect, nullptr, send.data(), 1, 2);
+      e, tables, kernels.data(), weights.data(), ScanMode::detect, nullptr, send.data(), 1, 2);
   CHECK(d.invalid_segment == -1);
   CHECK(d.flagged == changed.size());
   CHECK(d.entries == changed.size());
@@ -291,7 +292,7 @@ TEST_CASE("more than 2^31 elements: 64-bit offsets through detect, compact, rout
   const auto offsets = dev::compact(e, send.data(), n, d.flagged);
   CHECK(offsets.to_host() == changed);
   const dev::Buckets b =
-      dev::route_and_bucket<dte::BF16Detect>(e, tables, theta.data(), offsets, d);
+      dev::route_and_bucket<dte::BF16Detect>(e, tables, weights.data(), offsets, d);
   CHECK(b.offset == std::vector<std::uint64_t>{0, 0});
   CHECK(b.count == std::vector<std::uint64_t>{0, changed.size()});
   const auto index = b.index.to_host();

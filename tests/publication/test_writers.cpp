@@ -28,6 +28,8 @@
 #include "dte/publication/publisher.hpp"
 #include "dte/publication/receiver.hpp"
 #include "flat_adamw.hpp"
+#include "hf_tensors.hpp"
+#include "local_pieces.hpp"
 
 using namespace dte;
 using publication::Bytes;
@@ -38,91 +40,10 @@ using Trainer = testing::FlatAdamW;
 using Ref = publication::Publisher<AdamWInverse, BF16Detect>;
 using Part = publication::Publisher<AdamWInverse, BF16Detect, layout::LocalShardPlan>;
 using layout::LocalPiece;
-
-// One rank's pieces read where the trainer keeps them (its flat buffers, at each piece's place).
-struct PieceAccess {
-  const Trainer* tr;
-  [[nodiscard]] std::span<const float> at(const std::vector<float>& a,
-                                          const layout::PlanSegment& s) const {
-    return std::span<const float>(a).subspan(
-        static_cast<std::size_t>(tr->hf[s.param].base + s.param_begin),
-        static_cast<std::size_t>(s.length));
-  }
-  [[nodiscard]] std::span<const float> segment_theta(std::int64_t, layout::BufferKind,
-                                                     const layout::PlanSegment& s) const {
-    return at(tr->theta, s);
-  }
-  [[nodiscard]] AdamWInverse::hyperparameters hyperparameters(std::int64_t, layout::BufferKind,
-                                                              const layout::PlanSegment& s) const {
-    return {.lr = tr->lr,
-            .weight_decay = tr->hf[s.param].cols == 0 ? 0.0 : tr->wd,
-            .step = tr->steps,
-            .decay_form = DecayForm::multiply};
-  }
-  [[nodiscard]] AdamWInverse::state state(std::int64_t, layout::BufferKind,
-                                          const layout::PlanSegment& s) const {
-    return {at(tr->m, s), at(tr->v, s)};
-  }
-};
-static_assert(trainer_access<PieceAccess, AdamWInverse>);
-
-enum class Split { rows, flat, columns, owner };
-
-// Rank w's pieces of every tensor, for W ranks.
-std::vector<LocalPiece> pieces_of(const layout::HfModel& hf, Split split, std::int64_t w,
-                                  std::int64_t W) {
-  std::vector<LocalPiece> out;
-  const auto add = [&](std::int64_t t, std::int64_t index, std::int64_t length, bool sender) {
-    if (length > 0) out.push_back({t, index, length, sender});
-  };
-  for (std::int64_t t = 0; t < hf.size(); ++t) {
-    const auto& x = hf[t];
-    const std::int64_t width = x.cols == 0 ? 1 : x.cols;
-    switch (split) {
-      case Split::rows: {  // FSDP2 / Shard(0): ceil(rows / W) rows each, the last ones short
-        const std::int64_t per = (x.rows + W - 1) / W;
-        const std::int64_t r0 = std::min(x.rows, w * per), r1 = std::min(x.rows, r0 + per);
-        add(t, r0 * width, (r1 - r0) * width, true);
-        break;
-      }
-      case Split::flat: {  // FSDP1: the whole model's elements in W ranges, mid-row
-        const std::int64_t per = (hf.total() + W - 1) / W;
-        const std::int64_t lo = std::max(x.base, w * per);
-        const std::int64_t hi = std::min(x.base + x.numel(), (w + 1) * per);
-        add(t, lo - x.base, hi - lo, true);
-        break;
-      }
-      case Split::columns: {  // Shard(1) on 2-D tensors, row by row; 1-D replicated
-        if (x.cols == 0) {
-          add(t, 0, x.rows, w == 0);
-          break;
-        }
-        const std::int64_t per = (x.cols + W - 1) / W;
-        const std::int64_t c0 = std::min(x.cols, w * per), c1 = std::min(x.cols, c0 + per);
-        for (std::int64_t r = 0; r < x.rows; ++r)
-          add(t, r * x.cols + c0, c1 - c0, true);
-        break;
-      }
-      case Split::owner:  // ZeRO: whole tensors, round robin
-        if (t % W == w) add(t, 0, x.numel(), true);
-        break;
-    }
-  }
-  // (the caller's order is not canonical order: the plan sorts)
-  std::reverse(out.begin(), out.end());
-  return out;
-}
-
-struct HfTensors {
-  std::vector<std::vector<std::uint16_t>> data;
-  std::vector<std::span<std::uint16_t>> views;
-  explicit HfTensors(const layout::HfModel& hf) {
-    for (std::int64_t t = 0; t < hf.size(); ++t)
-      data.emplace_back(static_cast<std::size_t>(hf[t].numel()), 0x7FC0);
-    for (auto& d : data)
-      views.emplace_back(d);
-  }
-};
+using testing::HfTensors;
+using testing::PieceAccess;
+using testing::pieces_of;
+using testing::Split;
 
 struct ShardTensors {
   std::vector<std::vector<std::uint16_t>> data;
@@ -209,14 +130,14 @@ void same_stream(Split split, std::int64_t W, std::int64_t K, storage::Encoding 
   };
   const auto flat = tr.flat();
   apply(ref.publish(publication::FlatAccess<AdamWInverse>{&flat}, true),
-        *ranks.step(spec, PieceAccess{&tr}, true));
+        *ranks.step(spec, PieceAccess(tr), true));
   int published = 0;
   for (int s = 0; s < 10; ++s) {
     tr.lr = s % 3 == 0 ? 2e-4 : 2e-6;
     tr.step();
     const auto f = tr.flat();
     const std::optional<Bytes> a = ref.step(publication::FlatAccess<AdamWInverse>{&f});
-    const std::optional<Bytes> b = ranks.step(spec, PieceAccess{&tr});
+    const std::optional<Bytes> b = ranks.step(spec, PieceAccess(tr));
     REQUIRE(a.has_value() == b.has_value());
     if (!a) continue;
     apply(*a, *b);
@@ -248,21 +169,21 @@ TEST_CASE("writers: a refusal on one rank aborts the version on all; the next is
   Ranks ranks(spec, tr.hf, Split::rows, 3, {});
   HfTensors got(tr.hf);
   publication::HfReceiver rx(spec, got.views);
-  REQUIRE(rx.apply(*ranks.step(spec, PieceAccess{&tr}, true)).committed());
+  REQUIRE(rx.apply(*ranks.step(spec, PieceAccess(tr), true)).committed());
   tr.step();
   // a state element only rank 2 holds turns invalid (the last row of the last tensor)
   const auto& last = tr.hf[tr.hf.size() - 1];
   const auto k = static_cast<std::size_t>(last.base + last.numel() - 1);
   const float saved = tr.v[k];
   tr.v[k] = -1.0f;
-  CHECK_THROWS_AS(ranks.step(spec, PieceAccess{&tr}), dte::protocol_error);
+  CHECK_THROWS_AS(ranks.step(spec, PieceAccess(tr)), dte::protocol_error);
   for (const auto& p : ranks.pubs) {
     CHECK(p->version() == 1);
     CHECK_FALSE(p->pending());
   }
   tr.v[k] = saved;
   tr.step();
-  const std::optional<Bytes> next = ranks.step(spec, PieceAccess{&tr});
+  const std::optional<Bytes> next = ranks.step(spec, PieceAccess(tr));
   REQUIRE(next.has_value());
   const publication::ApplyReport r = rx.apply(*next);
   CHECK(r.full());
@@ -300,13 +221,13 @@ TEST_CASE("writers: merge refuses parts that disagree") {
   Ranks a(spec, tr.hf, Split::rows, 2, {});
   std::vector<Bytes> v1;
   for (auto& p : a.pubs)
-    v1.push_back(p->publish(PieceAccess{&tr}, true));
+    v1.push_back(p->publish(PieceAccess(tr), true));
   for (auto& p : a.pubs)
     p->commit();
   tr.step();
   std::vector<Bytes> v2;
   for (auto& p : a.pubs)
-    v2.push_back(p->publish(PieceAccess{&tr}, false));
+    v2.push_back(p->publish(PieceAccess(tr), false));
   const auto merge = [&](std::vector<Bytes> parts) {
     std::vector<std::span<const std::byte>> views;
     for (const auto& p : parts)
@@ -330,5 +251,5 @@ TEST_CASE("writers: merge refuses parts that disagree") {
   CHECK(rx.apply(merge(v2)).committed());
   CHECK(rx.verify().empty());
   // a second publish before commit or abort is refused
-  CHECK_THROWS_AS(a.pubs[0]->publish(PieceAccess{&tr}, false), dte::protocol_error);
+  CHECK_THROWS_AS(a.pubs[0]->publish(PieceAccess(tr), false), dte::protocol_error);
 }

@@ -462,9 +462,9 @@ def test_a_trainers_own_fp32_master_weights_beside_a_bf16_model():
     assert published == 12 and pub.digest() == rx.digest()
 
 
-def test_a_parameter_off_the_cpu_is_refused_by_name():
-    """This build reads CPU tensors; a parameter elsewhere (a CUDA tensor on a GPU machine; here
-    the meta device, which every torch build has) is refused naming it, before anything else."""
+def test_a_parameter_on_another_device_is_refused_by_name():
+    """dte reads CPU and CUDA tensors (test_cuda.py); a parameter elsewhere (here the meta
+    device, which every torch build has) is refused naming it, before anything else."""
     model = TinyQwen3()
     model.lm_head.weight = torch.nn.Parameter(torch.empty(model.lm_head.weight.shape, device="meta"))
     opt = torch.optim.AdamW(model.parameters())

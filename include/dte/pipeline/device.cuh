@@ -51,6 +51,7 @@
 #include "dte/pipeline/detect.hpp"
 #include "dte/pipeline/device_tables.hpp"
 #include "dte/pipeline/runs.hpp"
+#include "dte/pipeline/segment_weights.hpp"
 
 namespace dte::pipeline::device {
 
@@ -117,15 +118,17 @@ __device__ inline void clear_bits(std::uint64_t* words, std::int64_t o, unsigned
   if (s.high != 0) atomicAnd(reinterpret_cast<unsigned long long*>(words + s.word + 1), ~s.high);
 }
 
-// Stage 1. kernels: one per plan segment (null in mode all, which reads theta). A block takes
+// Stage 1. kernels: one per plan segment (null in mode all, which reads the weights); weights:
+// per plan segment, where its weights live (one buffer's pieces, or each local tensor of a
+// sharded PyTorch trainer: the element at index i of segment s is weights[s][i]). A block takes
 // items blockIdx.x, blockIdx.x + gridDim.x, ...; its warps take 32 consecutive elements at a time
 // (the loop bounds are uniform over the block, so every ballot has the whole warp).
 template <class Detect, class Kernel>
 __global__ void __launch_bounds__(block_threads)
     detect_items(const WorkItem* items, std::uint32_t n_items, const Run* runs,
-                 const RunTarget* targets, const Kernel* kernels, const float* theta, ScanMode mode,
-                 std::uint64_t* mask, std::uint64_t* send, DetectTotals* totals, Digest* digest,
-                 unsigned long long* per_receiver) {
+                 const RunTarget* targets, const Kernel* kernels, const float* const* weights,
+                 ScanMode mode, std::uint64_t* mask, std::uint64_t* send, DetectTotals* totals,
+                 Digest* digest, unsigned long long* per_receiver) {
   const unsigned lane = threadIdx.x & 31u;
   for (std::uint32_t it = blockIdx.x; it < n_items; it += gridDim.x) {
     const WorkItem item = items[it];
@@ -138,13 +141,16 @@ __global__ void __launch_bounds__(block_threads)
       const bool here = j < item.length;
       const std::int64_t o = item.shard_begin + j;
       // The element's verdict: detect_element (pipeline/detect.hpp), the host's rule; in
-      // mode all every sent element goes, read straight from theta.
+      // mode all every sent element goes, read straight from its segment's weights.
       ElementVerdict v;
       bool touch = false;  // this element's mask bit changes: set (detect, mark), cleared (mask)
       if (here) {
         if (mode == ScanMode::all) {
           v.send = v.hit = sent;
-          if (sent) v.term = element_digest(item.canonical + j, Detect::store(theta[o]));
+          if (sent) {
+            v.term = element_digest(item.canonical + j,
+                                    Detect::store(weights[item.segment][item.first + j]));
+          }
         } else {
           // Only this warp changes these mask bits in this launch: the load sees the earlier
           // launches' marks.
@@ -222,16 +228,18 @@ template <class Detect>
 __global__ void __launch_bounds__(block_threads)
     route_entries(const std::int64_t* offsets, std::int64_t n, const WorkItem* items,
                   std::uint32_t n_items, const Run* runs, const RunTarget* targets,
-                  const float* theta, const std::uint64_t* positions, std::uint32_t* rank,
+                  const float* const* weights, const std::uint64_t* positions, std::uint32_t* rank,
                   std::uint64_t* order, std::uint32_t* tensor, std::uint32_t* index,
                   std::uint16_t* bits) {
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   for (std::int64_t k = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < n;
        k += stride) {
     const std::int64_t o = offsets[k];
-    const Run& run = runs[items[find_item(items, n_items, o)].run];
+    const WorkItem& item = items[find_item(items, n_items, o)];
+    const Run& run = runs[item.run];
     const auto delta = static_cast<std::uint32_t>(o - run.shard_begin);
-    const std::uint16_t b = Detect::store(theta[o]);
+    const std::uint16_t b =
+        Detect::store(weights[item.segment][item.first + (o - item.shard_begin)]);
     std::uint64_t e = positions[k];
     for (std::uint32_t t = 0; t < run.target_count; ++t, ++e) {
       const RunTarget& target = targets[run.first_target + t];
@@ -308,7 +316,7 @@ class PendingDetect {
  private:
   template <change_detector Detect, class Kernel>
   friend PendingDetect detect_async(const exec::Cuda&, const DeviceTables&, const Kernel*,
-                                    const float*, ScanMode, std::uint64_t*, std::uint64_t*,
+                                    const float* const*, ScanMode, std::uint64_t*, std::uint64_t*,
                                     std::size_t, std::size_t, exec::PinnedBuffer&);
 
   [[nodiscard]] std::size_t digest_at() const noexcept { return sizeof(DetectTotals); }
@@ -323,14 +331,26 @@ class PendingDetect {
   const std::byte* host_ptr_ = nullptr;
 };
 
+// Per plan segment, where its weights start in one buffer's weights theta (device memory): the
+// weights table of a trainer that holds its shard as one buffer.
+inline DeviceArray<const float*> buffer_weights(const exec::Cuda& e, const float* theta,
+                                                const std::vector<layout::PlanSegment>& segments) {
+  std::vector<const float*> at;
+  at.reserve(segments.size());
+  for (const layout::PlanSegment& s : segments)
+    at.push_back(theta + s.shard_begin);
+  return DeviceArray<const float*>::copy_of(e, at);  // (pageable: copied before it returns)
+}
+
 // Stage 1 over a buffer, enqueued. kernels: one per plan segment, pointing at device memory
-// (bind with Inverse::bind_unchecked on the device spans: it reads no element); theta: the
-// buffer's device weights (read in mode all). mask: K > 1, one bit per shard element (else
-// null). send: zeroed here, one bit per shard element. pinned: where the counts land (one
-// buffer per pending pass, alive until finish()).
+// (bind with Inverse::bind_unchecked on the device spans: it reads no element); weights: per
+// plan segment, where its device weights start (read in mode all; buffer_weights for one
+// buffer). mask: K > 1, one bit per shard element (else null). send: zeroed here, one bit per
+// shard element. pinned: where the counts land (one buffer per pending pass, alive until
+// finish()).
 template <change_detector Detect, class Kernel>
 PendingDetect detect_async(const exec::Cuda& e, const DeviceTables& t, const Kernel* kernels,
-                           const float* theta, ScanMode mode, std::uint64_t* mask,
+                           const float* const* weights, ScanMode mode, std::uint64_t* mask,
                            std::uint64_t* send, std::size_t canonical_tensors,
                            std::size_t receivers, exec::PinnedBuffer& pinned) {
   PendingDetect p;
@@ -345,8 +365,8 @@ PendingDetect detect_async(const exec::Cuda& e, const DeviceTables& t, const Ker
   DTE_CUDA_TRY(cudaMemsetAsync(&totals->first_invalid_item, 0xFF, 8, e.stream()));
   const unsigned grid = dte::cuda::detail::grid_blocks(std::uint64_t{t.n_items} * block_threads);
   detail::detect_items<Detect, Kernel><<<grid, block_threads, 0, e.stream()>>>(
-      t.items.data(), t.n_items, t.runs.data(), t.targets.data(), kernels, theta, mode, mask, send,
-      totals, reinterpret_cast<Digest*>(d + p.digest_at()),
+      t.items.data(), t.n_items, t.runs.data(), t.targets.data(), kernels, weights, mode, mask,
+      send, totals, reinterpret_cast<Digest*>(d + p.digest_at()),
       reinterpret_cast<unsigned long long*>(d + p.receivers_at()));
   DTE_CUDA_TRY(cudaGetLastError());
   std::byte* h = pinned.reserve(p.bytes());
@@ -359,10 +379,10 @@ PendingDetect detect_async(const exec::Cuda& e, const DeviceTables& t, const Ker
 // Stage 1 with its own synchronisation (one buffer alone: tests, benchmarks).
 template <change_detector Detect, class Kernel>
 DetectResult detect(const exec::Cuda& e, const DeviceTables& t, const Kernel* kernels,
-                    const float* theta, ScanMode mode, std::uint64_t* mask, std::uint64_t* send,
-                    std::size_t canonical_tensors, std::size_t receivers) {
+                    const float* const* weights, ScanMode mode, std::uint64_t* mask,
+                    std::uint64_t* send, std::size_t canonical_tensors, std::size_t receivers) {
   exec::PinnedBuffer pinned;
-  const PendingDetect p = detect_async<Detect>(e, t, kernels, theta, mode, mask, send,
+  const PendingDetect p = detect_async<Detect>(e, t, kernels, weights, mode, mask, send,
                                                canonical_tensors, receivers, pinned);
   e.synchronize();
   DetectResult r = p.finish();
@@ -403,9 +423,10 @@ constexpr int receiver_bits(std::size_t receivers) noexcept {
 }
 
 // Stages 3 and 4: route the changed offsets through the tables and bucket them by receiver.
-// theta: the buffer's device weights (the bits sent are Detect::store(theta[o])).
+// weights: per plan segment, where its device weights start (the bits sent are Detect::store of
+// the element's weight).
 template <change_detector Detect>
-Buckets route_and_bucket(const exec::Cuda& e, const DeviceTables& t, const float* theta,
+Buckets route_and_bucket(const exec::Cuda& e, const DeviceTables& t, const float* const* weights,
                          const DeviceArray<std::int64_t>& offsets, const DetectResult& d) {
   Buckets b;
   const std::size_t receivers = d.per_receiver.size();
@@ -442,7 +463,7 @@ Buckets route_and_bucket(const exec::Cuda& e, const DeviceTables& t, const float
   DeviceArray<std::uint64_t> order(e, total), order_sorted(e, total);
   DeviceArray<std::uint16_t> bits(e, total);
   detail::route_entries<Detect><<<grid, block_threads, 0, e.stream()>>>(
-      offsets.data(), n, t.items.data(), t.n_items, t.runs.data(), t.targets.data(), theta,
+      offsets.data(), n, t.items.data(), t.n_items, t.runs.data(), t.targets.data(), weights,
       positions.data(), rank.data(), order.data(), tensor.data(), index.data(), bits.data());
   DTE_CUDA_TRY(cudaGetLastError());
 
@@ -563,6 +584,78 @@ inline void apply_entries(const exec::Cuda& e, DeviceReceiver& r, const std::uin
   DTE_CUDA_TRY(cudaGetLastError());
 }
 
+// ---- Changed elements in canonical coordinates (a publication's chunks) ----
+
+// Where gather_changed() leaves one batch of changed elements: their shard offsets relative to
+// the batch's first (increasing), their bits and, for a diff encoding, what their previous bits
+// can be. Device memory, capacity elements each; count: how many the batch holds.
+struct ChangedBatch {
+  DeviceArray<std::uint32_t> offset;
+  DeviceArray<std::uint16_t> bits;
+  DeviceArray<PreviousBits> previous;  // empty without previous bits
+  DeviceArray<unsigned long long> count;
+};
+
+namespace detail {
+
+// Bit begin + o of a bitmap (a batch's flags, for CUB's flag iterator).
+struct BitFrom {
+  const std::uint64_t* words;
+  std::int64_t begin;
+  __host__ __device__ bool operator()(std::uint32_t o) const {
+    const std::int64_t at = begin + o;
+    return (words[at >> 6] >> (at & 63)) & 1u;
+  }
+};
+
+// Per selected element: its bits (Detect::store of its weight) and, with previous, what its
+// previous bits can be (the reconstruction of the last step: the host frame's previous()).
+template <class Detect, class Kernel>
+__global__ void __launch_bounds__(block_threads)
+    gather_changed(const std::uint32_t* offset, const unsigned long long* count, std::int64_t begin,
+                   const WorkItem* items, std::uint32_t n_items, const Kernel* kernels,
+                   const float* const* weights, std::uint16_t* bits, PreviousBits* previous) {
+  const auto n = static_cast<std::int64_t>(*count);
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t k = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < n;
+       k += stride) {
+    const std::int64_t o = begin + offset[k];
+    const WorkItem& item = items[find_item(items, n_items, o)];
+    const std::int64_t i = item.first + (o - item.shard_begin);
+    bits[k] = Detect::store(weights[item.segment][i]);
+    if (previous != nullptr)
+      previous[k] = Detect::previous(kernels[item.segment](static_cast<std::size_t>(i)));
+  }
+}
+
+}  // namespace detail
+
+// The elements of shard offsets [begin, begin + n) whose send bit is set, with their bits (and,
+// kernels non-null, their previous bits), into batch (capacity at least their number). Enqueued;
+// batch.count holds their number once the stream passes it.
+template <change_detector Detect, class Kernel>
+void gather_changed(const exec::Cuda& e, const DeviceTables& t, const Kernel* kernels,
+                    const float* const* weights, const std::uint64_t* send, std::int64_t begin,
+                    std::int64_t n, ChangedBatch& batch) {
+  DTE_CUDA_TRY(cudaMemsetAsync(batch.count.data(), 0, 8, e.stream()));
+  if (n == 0) return;
+  const thrust::counting_iterator<std::uint32_t> in(0);
+  const auto flags = thrust::make_transform_iterator(in, detail::BitFrom{send, begin});
+  std::size_t temp_bytes = 0;
+  DTE_CUDA_TRY(cub::DeviceSelect::Flagged(nullptr, temp_bytes, in, flags, batch.offset.data(),
+                                          batch.count.data(), n, e.stream()));
+  {
+    DeviceArray<std::byte> temp(e, temp_bytes);
+    DTE_CUDA_TRY(cub::DeviceSelect::Flagged(temp.data(), temp_bytes, in, flags, batch.offset.data(),
+                                            batch.count.data(), n, e.stream()));
+  }
+  const unsigned grid = dte::cuda::detail::grid_blocks(batch.offset.size());
+  detail::gather_changed<Detect, Kernel><<<grid, block_threads, 0, e.stream()>>>(
+      batch.offset.data(), batch.count.data(), begin, t.items.data(), t.n_items, kernels, weights,
+      batch.bits.data(), kernels != nullptr ? batch.previous.data() : nullptr);
+  DTE_CUDA_TRY(cudaGetLastError());
+}
+
 // ---- One trainer rank's publication on the device ----
 
 // What one buffer's stages produced.
@@ -571,16 +664,19 @@ struct BufferOutput {
   Buckets buckets;  // empty in mode mark
 };
 
-// The stages chained over one trainer rank's shard, both buffers: the tables are built and
-// copied once; scan() binds the inverse to the access's device spans (bind_unchecked reads no
-// element), then runs detect (one synchronisation per buffer), compact, route and bucket on the
-// executor's stream. Access: trainer_access whose spans are device memory.
+// The stages over one trainer rank's shard, both buffers: the tables are built and copied once;
+// detect() binds the inverse to the access's device spans (bind_unchecked reads no element) and
+// runs stage 1 on both buffers with one synchronisation; then either the engine's compact,
+// route and bucket (scan()) or a publication's batches of changed elements (gather()) on the
+// executor's stream. Access: trainer_access whose spans are device memory, one span per buffer
+// or one per plan segment (segmented_access).
 template <optimizer_inverse Inverse, change_detector Detect,
           transfer_plan Plan = layout::TransferPlan>
 class SenderPipeline {
  public:
   using kernel = typename Inverse::kernel;
 
+  // The engine's: routed to the receivers of the serving layout.
   SenderPipeline(const layout::HfModel& hf, const layout::TrainTopology& train,
                  const layout::ServingLayout& receivers, std::int64_t rank, bool keep_mask,
                  exec::Cuda e)
@@ -590,15 +686,19 @@ class SenderPipeline {
         plan_(hf, train, rank),
         table_(plan_, hf, &receivers),
         exec_(e) {
-    for (layout::BufferKind b : buffers) {
-      const int x = static_cast<int>(b);
-      const WorkTable work(table_.runs(b), plan_.segments(b), item_elements);
-      tables_[x] =
-          DeviceTables(exec_, work, table_.runs(b), table_.all_targets(), plan_.shard_size(b));
-      const std::size_t words = (static_cast<std::size_t>(plan_.shard_size(b)) + 63) / 64;
-      send_[x] = DeviceArray<std::uint64_t>(exec_, words);
-      if (keep_mask) mask_[x] = DeviceArray<std::uint64_t>::zeros(exec_, words);
-    }
+    init(keep_mask);
+  }
+
+  // A publication's, over a plan the caller built (canonical coordinates: no receivers).
+  SenderPipeline(const layout::HfModel& hf, Plan plan, std::int64_t rank, bool keep_mask,
+                 exec::Cuda e)
+      : hf_(&hf),
+        rank_(rank),
+        receivers_(0),
+        plan_(std::move(plan)),
+        table_(plan_, hf, nullptr),
+        exec_(e) {
+    init(keep_mask);
   }
 
   [[nodiscard]] std::int64_t rank() const noexcept { return rank_; }
@@ -625,62 +725,161 @@ class SenderPipeline {
     return n;
   }
 
-  // Both buffers' detect passes, one synchronisation for their counts, then compact, route
-  // and bucket (enqueued; the buckets are ready once the stream passes them).
+  // Stage 1 on both buffers, one synchronisation for their counts. Throws invalid_argument,
+  // naming the segment, when an element of the optimizer state is refused (nothing is then
+  // complete). The inverse and the weights stay bound for the stages after it.
   template <class Access>
-  std::array<BufferOutput, 2> scan(const Access& access, ScanMode mode) {
-    std::array<BufferOutput, 2> out;
+  std::array<DetectResult, 2> detect(const Access& access, ScanMode mode) {
+    std::array<DetectResult, 2> out;
     std::array<PendingDetect, 2> pending;
-    std::array<DeviceArray<kernel>, 2> kernels;
     for (layout::BufferKind b : buffers) {
       const int x = static_cast<int>(b);
+      kernels_[x] = {};
+      weights_[x] = {};
       if (plan_.shard_size(b) == 0) continue;
-      const std::span<const float> theta = access.theta(rank_, b);
+      std::vector<const float*> at;
       std::vector<kernel> host_kernels;
-      if (mode != ScanMode::all) {
-        for (const layout::PlanSegment& s : plan_.segments(b)) {
-          host_kernels.push_back(
-              Inverse::bind_unchecked(access.hyperparameters(rank_, b, s),
-                                      theta.subspan(static_cast<std::size_t>(s.shard_begin),
-                                                    static_cast<std::size_t>(s.length)),
-                                      access.state(rank_, b, s), label(s)));
+      for (const layout::PlanSegment& s : plan_.segments(b)) {
+        const std::span<const float> w = segment(access, b, s);
+        at.push_back(w.data());
+        if (mode != ScanMode::all) {
+          host_kernels.push_back(Inverse::bind_unchecked(access.hyperparameters(rank_, b, s), w,
+                                                         access.state(rank_, b, s), label(s)));
         }
       }
-      kernels[x] = DeviceArray<kernel>::copy_of(exec_, host_kernels);
+      weights_[x] = DeviceArray<const float*>::copy_of(exec_, at);
+      kernels_[x] = DeviceArray<kernel>::copy_of(exec_, host_kernels);
       pending[x] = detect_async<Detect>(
-          exec_, tables_[x], kernels[x].data(), theta.data(), mode, mask_[x].data(),
+          exec_, tables_[x], kernels_[x].data(), weights_[x].data(), mode, mask_[x].data(),
           send_[x].data(), static_cast<std::size_t>(hf_->size()), receivers_, pinned_[x]);
     }
     exec_.synchronize();  // the publication's one synchronisation: the counts
     for (layout::BufferKind b : buffers) {
       const int x = static_cast<int>(b);
-      out[x].detect = pending[x].finish();
-      out[x].detect.invalid_segment = invalid_segment(tables_[x], out[x].detect);
-      if (out[x].detect.invalid_segment >= 0) {
+      out[x] = pending[x].finish();
+      out[x].invalid_segment = invalid_segment(tables_[x], out[x]);
+      if (out[x].invalid_segment >= 0) {
         const layout::PlanSegment& s =
-            plan_.segments(b)[static_cast<std::size_t>(out[x].detect.invalid_segment)];
+            plan_.segments(b)[static_cast<std::size_t>(out[x].invalid_segment)];
         throw invalid_argument(label(s) + ": an element of the optimizer state fails " +
                                std::string(Inverse::name) +
                                "'s element checks (a non-finite value or moment, a negative "
                                "second moment); nothing was sent");
       }
     }
+    return out;
+  }
+
+  // The engine's publication: detect, then compact, route and bucket (enqueued; the buckets are
+  // ready once the stream passes them).
+  template <class Access>
+  std::array<BufferOutput, 2> scan(const Access& access, ScanMode mode) {
+    std::array<BufferOutput, 2> out;
+    const std::array<DetectResult, 2> found = detect(access, mode);
+    for (int x = 0; x < 2; ++x)
+      out[x].detect = found[x];
     if (mode == ScanMode::mark) return out;
     for (layout::BufferKind b : buffers) {
       const int x = static_cast<int>(b);
       if (plan_.shard_size(b) == 0) continue;
-      const std::span<const float> theta = access.theta(rank_, b);
       const auto offsets =
           compact(exec_, send_[x].data(), plan_.shard_size(b), out[x].detect.flagged);
       out[x].buckets =
-          route_and_bucket<Detect>(exec_, tables_[x], theta.data(), offsets, out[x].detect);
+          route_and_bucket<Detect>(exec_, tables_[x], weights_[x].data(), offsets, out[x].detect);
     }
     return out;
   }
 
+  // After detect(): the elements of buffer b flagged to send, in batches of at most batch_size
+  // shard offsets, each brought to the host (one synchronisation per batch) and handed to
+  // f(begin, offsets relative to begin, bits, previous bits (empty unless with_previous)) in
+  // shard order. with_previous: also what their previous bits can be (mode detect only: the
+  // inverse is bound).
+  template <class F>
+  void gather(layout::BufferKind b, std::uint64_t flagged, bool with_previous,
+              std::int64_t batch_size, F&& f) {
+    const int x = static_cast<int>(b);
+    const std::int64_t shard = plan_.shard_size(b);
+    if (flagged == 0 || shard == 0) return;
+    const auto capacity = static_cast<std::size_t>(
+        std::min<std::uint64_t>(flagged, static_cast<std::uint64_t>(std::min(batch_size, shard))));
+    ChangedBatch batch{DeviceArray<std::uint32_t>(exec_, capacity),
+                       DeviceArray<std::uint16_t>(exec_, capacity),
+                       DeviceArray<PreviousBits>(exec_, with_previous ? capacity : 0),
+                       DeviceArray<unsigned long long>(exec_, 1)};
+    const kernel* kernels = with_previous ? kernels_[x].data() : nullptr;
+    const std::size_t each = 4 + 2 + (with_previous ? sizeof(PreviousBits) : 0);
+    std::byte* h = host_.reserve(8 + each * capacity + 16);
+    auto* count = reinterpret_cast<unsigned long long*>(h);
+    auto* offset = reinterpret_cast<std::uint32_t*>(h + 8);
+    auto* previous = reinterpret_cast<PreviousBits*>(h + 8 + 4 * capacity);
+    auto* bits = reinterpret_cast<std::uint16_t*>(
+        h + 8 + 4 * capacity + (with_previous ? sizeof(PreviousBits) : 0) * capacity);
+    for (std::int64_t begin = 0; begin < shard; begin += batch_size) {
+      const std::int64_t n = std::min(batch_size, shard - begin);
+      gather_changed<Detect>(exec_, tables_[x], kernels, weights_[x].data(), send_[x].data(), begin,
+                             n, batch);
+      DTE_CUDA_TRY(
+          cudaMemcpyAsync(count, batch.count.data(), 8, cudaMemcpyDeviceToHost, exec_.stream()));
+      exec_.synchronize();
+      const auto k = static_cast<std::size_t>(*count);
+      if (k > capacity) {
+        throw error("dte::pipeline::device: a batch selected " + std::to_string(k) +
+                    " elements where the detect stage flagged at most " + std::to_string(capacity) +
+                    "; report this");
+      }
+      if (k == 0) continue;
+      DTE_CUDA_TRY(cudaMemcpyAsync(offset, batch.offset.data(), 4 * k, cudaMemcpyDeviceToHost,
+                                   exec_.stream()));
+      DTE_CUDA_TRY(
+          cudaMemcpyAsync(bits, batch.bits.data(), 2 * k, cudaMemcpyDeviceToHost, exec_.stream()));
+      if (with_previous) {
+        DTE_CUDA_TRY(cudaMemcpyAsync(previous, batch.previous.data(), sizeof(PreviousBits) * k,
+                                     cudaMemcpyDeviceToHost, exec_.stream()));
+      }
+      exec_.synchronize();
+      f(begin, std::span<const std::uint32_t>(offset, k), std::span<const std::uint16_t>(bits, k),
+        with_previous ? std::span<const PreviousBits>(previous, k)
+                      : std::span<const PreviousBits>{});
+    }
+  }
+
+  // Pinned host memory held for gather()'s batches.
+  [[nodiscard]] std::uint64_t host_bytes() const noexcept { return host_.size(); }
+
  private:
   static constexpr layout::BufferKind buffers[2] = {layout::BufferKind::dense,
                                                     layout::BufferKind::expert};
+
+  void init(bool keep_mask) {
+    for (layout::BufferKind b : buffers) {
+      const int x = static_cast<int>(b);
+      const WorkTable work(table_.runs(b), plan_.segments(b), item_elements);
+      tables_[x] =
+          DeviceTables(exec_, work, table_.runs(b), table_.all_targets(), plan_.shard_size(b));
+      const std::size_t words = (static_cast<std::size_t>(plan_.shard_size(b)) + 63) / 64;
+      send_[x] = DeviceArray<std::uint64_t>(exec_, words);
+      if (keep_mask) mask_[x] = DeviceArray<std::uint64_t>::zeros(exec_, words);
+    }
+  }
+
+  // Segment s's device weights (pipeline/segment_weights.hpp); a buffer's one span must hold the
+  // whole shard.
+  template <class Access>
+  [[nodiscard]] std::span<const float> segment(const Access& access, layout::BufferKind b,
+                                               const layout::PlanSegment& s) const {
+    if constexpr (!segmented_access<Access>) {
+      const std::size_t held = access.theta(rank_, b).size();
+      if (static_cast<std::int64_t>(held) != plan_.shard_size(b)) {
+        throw invalid_argument("trainer rank " + std::to_string(rank_) + "'s " +
+                               (b == layout::BufferKind::dense ? "dense" : "expert") +
+                               " shard has " + std::to_string(held) +
+                               " elements where the plan expects " +
+                               std::to_string(plan_.shard_size(b)) + ". Nothing was sent.");
+      }
+    }
+    return pipeline::segment_weights(access, rank_, b, s, label(s));
+  }
 
   [[nodiscard]] std::string label(const layout::PlanSegment& s) const {
     return "trainer rank " + std::to_string(rank_) + " " +
@@ -695,7 +894,10 @@ class SenderPipeline {
   exec::Cuda exec_;
   DeviceTables tables_[2];
   DeviceArray<std::uint64_t> send_[2], mask_[2];
-  exec::PinnedBuffer pinned_[2];  // the counts of each buffer's detect pass
+  DeviceArray<kernel> kernels_[2];        // bound by the last detect() (not in mode all)
+  DeviceArray<const float*> weights_[2];  // per plan segment, bound by the last detect()
+  exec::PinnedBuffer pinned_[2];          // the counts of each buffer's detect pass
+  exec::PinnedBuffer host_;               // gather()'s batches
 };
 
 }  // namespace dte::pipeline::device

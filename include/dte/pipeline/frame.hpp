@@ -37,6 +37,7 @@
 #include "dte/pipeline/detect_vector.hpp"
 #include "dte/pipeline/route.hpp"
 #include "dte/pipeline/runs.hpp"
+#include "dte/pipeline/segment_weights.hpp"
 #include "dte/reconstruction.hpp"
 
 namespace dte {
@@ -247,27 +248,13 @@ class SenderFrame {
   // segment): a sharded PyTorch trainer's local tensors) instead of one span per buffer. The
   // stages then take an empty buffer span and read each segment where it lives.
   template <class Access>
-  static constexpr bool segmented = requires(const Access& a, std::int64_t r, layout::BufferKind b,
-                                             const layout::PlanSegment& s) {
-    a.segment_theta(r, b, s);
-  };
+  static constexpr bool segmented = segmented_access<Access>;
 
   // Segment s's weights (s.length of them).
   template <class Access>
   [[nodiscard]] std::span<const float> weights(const Access& access, layout::BufferKind b,
                                                const layout::PlanSegment& s) const {
-    if constexpr (segmented<Access>) {
-      const std::span<const float> w = access.segment_theta(rank_, b, s);
-      if (static_cast<std::int64_t>(w.size()) != s.length) {
-        throw invalid_argument(label(s) + ": the accessor gives " + std::to_string(w.size()) +
-                               " weights for a piece of " + std::to_string(s.length) +
-                               " elements. Nothing was sent.");
-      }
-      return w;
-    } else {
-      return access.theta(rank_, b).subspan(static_cast<std::size_t>(s.shard_begin),
-                                            static_cast<std::size_t>(s.length));
-    }
+    return pipeline::segment_weights(access, rank_, b, s, label(s));
   }
 
   [[nodiscard]] std::size_t tiles(layout::BufferKind b) const noexcept {

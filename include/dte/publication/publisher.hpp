@@ -6,7 +6,10 @@
 // (layout/identity.hpp) and publishes its part; merge() (publication/message.hpp) makes the
 // parts of one version one message. The sender frame is the engine's (pipeline/frame.hpp:
 // validate, reconstruct, detect with the guard band, compact, the K-step dirty mask); its sink is
-// storage's chunk sink, in memory.
+// storage's chunk sink, in memory. Exec: where the trainer's tensors live: exec::Host, or
+// exec::Cuda with publication/device_sender.cuh included (the stages run on the device and only
+// the changed elements come to the host for the chunks; the messages are byte for byte the
+// host's).
 //
 // One publication, top to bottom:
 //   1. the kind: full for the first one, after any refusal or failure (nothing is known about
@@ -103,25 +106,37 @@ struct Writer {
   std::uint32_t count = 1;
 };
 
-template <optimizer_inverse Inverse, change_detector Detect, class Plan = layout::IdentityPlan>
+namespace detail {
+// The sender of a publisher over executor Exec: the host's sender frame, or (exec::Cuda,
+// publication/device_sender.cuh) the device stages. Either has check_trainer(access),
+// scan(access, mode, chunk sink), mark(access), clear_masks() and plan().
+template <class Inverse, class Detect, class Plan, class Exec>
+struct publication_sender {
+  using type = SenderFrame<Inverse, Detect, Plan, Exec>;
+};
+}  // namespace detail
+
+template <optimizer_inverse Inverse, change_detector Detect, class Plan = layout::IdentityPlan,
+          class Exec = HostExecutor>
 class Publisher {
  public:
-  using Sender = SenderFrame<Inverse, Detect, Plan, HostExecutor>;
+  using Sender = typename detail::publication_sender<Inverse, Detect, Plan, Exec>::type;
 
   // One trainer holding the whole model (the flat buffer of FlatTrainer).
   Publisher(const layout::ModelSpec& model, PublisherConfig cfg = {},
-            HostExecutor exec = {}) requires std::same_as<Plan, layout::IdentityPlan>
+            Exec exec = {}) requires std::same_as<Plan, layout::IdentityPlan>
       : spec_(named_by_structure(model)),
         hf_(spec_),
         cfg_(checked(cfg)),
         schedule_(cfg_.publish_every),
-        sender_(hf_, layout::TrainTopology{}, nullptr, 0, schedule_.keeps_mask(), exec) {}
+        sender_(hf_, layout::IdentityPlan(hf_, layout::TrainTopology{}, 0), 0,
+                schedule_.keeps_mask(), exec) {}
 
   // Writer `writer` of a sharded trainer, holding `pieces` (every writer's pieces together hold
   // each element once: layout::check_writers).
   Publisher(const layout::ModelSpec& model, const std::vector<layout::LocalPiece>& pieces,
             Writer writer, PublisherConfig cfg = {},
-            HostExecutor exec = {}) requires std::same_as<Plan, layout::LocalShardPlan>
+            Exec exec = {}) requires std::same_as<Plan, layout::LocalShardPlan>
       : spec_(named_by_structure(model)),
         hf_(spec_),
         cfg_(checked(cfg)),

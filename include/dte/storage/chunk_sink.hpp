@@ -65,6 +65,9 @@ struct ChunkMemory {
 template <bool Diff, class Store>
 class ChunkSink {
  public:
+  // Whether changed elements go with what their previous bits can be (put()'s second form).
+  static constexpr bool diff = Diff;
+
   ChunkSink(const layout::HfModel& hf, ChunkHeader header, int zstd_level,
             std::uint64_t chunk_entries, Store store, const ShardBase* classes = nullptr)
       : hf_(&hf),
