@@ -48,7 +48,8 @@ if [ "${DTE_SKIP_VLLM:-0}" != "1" ] || [ "${DTE_SKIP_SHARDED:-0}" != "1" ]; then
   # (without the CUDA publisher: the tests here are the CPU paths, and the build above compiled
   # it; a build directory of its own, so that neither build undoes the other's)
   "$vllm_venv/bin/python" -m pip install -q --no-build-isolation \
-    -C cmake.define.DTE_PYTHON_CUDA=OFF -C build-dir="$root/build/python-vllm" "$root"
+    --config-settings=cmake.define.DTE_PYTHON_CUDA=OFF \
+    --config-settings=build-dir="$root/build/python-vllm" "$root"
   if [ "${DTE_SKIP_SHARDED:-0}" != "1" ]; then
     "$vllm_venv/bin/python" -m pytest -q "$root/tests/python/sharded"
   fi

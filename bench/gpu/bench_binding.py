@@ -8,7 +8,9 @@ compaction and gather, the copy of the changed elements and their encoding on th
 wall time of pub.step(), and the optimizer step's wall time (torch.cuda.synchronize() around
 both). Written to --out as JSON; bench/gpu/run.sh runs it on a lent GPU.
 
-    python bench/gpu/bench_binding.py [--out FILE] [--steps N] [--small]
+    python bench/gpu/bench_binding.py [--out FILE] [--steps N] [--small] [--device cpu]
+
+--device cpu runs the same loop on the host path (a check of the script itself, or a ratio).
 """
 import argparse
 import json
@@ -37,14 +39,17 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--small", action="store_true")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = ap.parse_args()
     import torch
 
     import dte
     from tiny_qwen3 import TinyQwen3, batches
 
-    result = {"command": "python bench/gpu/bench_binding.py" + (" --small" if args.small else "")}
-    if not torch.cuda.is_available() or not dte._native.cuda_built:
+    result = {"command": "python bench/gpu/bench_binding.py" + (" --small" if args.small else "")
+              + (" --device cpu" if args.device == "cpu" else "")}
+    cuda = args.device == "cuda"
+    if cuda and (not torch.cuda.is_available() or not dte._native.cuda_built):
         result["status"] = "skipped: no CUDA device torch can use, or dte built without nvcc"
         print(json.dumps(result))
         if args.out:
@@ -52,7 +57,8 @@ def main():
                 json.dump(result, f, indent=2)
         return 0
     config = SMALL if args.small else CONFIG
-    device = torch.device("cuda", 0)
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     model = TinyQwen3(config).to(device)
     named = list(model.named_parameters())
     opt = torch.optim.AdamW([{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": 0.1},
@@ -65,10 +71,10 @@ def main():
     rows = []
     for i, tokens in enumerate(batches(config, steps=args.steps + 2, batch=2, length=32)):
         model.loss(tokens.to(device)).backward()
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         opt.step()
-        torch.cuda.synchronize()
+        sync()
         t_opt = time.perf_counter() - t0
         opt.zero_grad()
         t0 = time.perf_counter()
@@ -83,7 +89,7 @@ def main():
     opt_s = statistics.median(x["optimizer_step_s"] for x in rows)
     result.update({
         "status": "ok",
-        "gpu": torch.cuda.get_device_name(device),
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "torch": torch.__version__,
         "elements": elements,
         "publications": len(rows),

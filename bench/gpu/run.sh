@@ -91,7 +91,8 @@ build_binding() {
     "$venv/bin/python" -m pip install -q "nanobind>=2.0" "scikit-build-core>=0.8" pytest || {
     binding="skipped: no nanobind, scikit-build-core and pytest (and no PyPI)"; return 1; }
   "$venv/bin/python" -m pip install -q --no-build-isolation \
-    -C "build-dir=$build/python" -C "cmake.define.CMAKE_CUDA_ARCHITECTURES=$arch" "$root" || {
+    --config-settings="build-dir=$build/python" \
+    --config-settings="cmake.define.CMAKE_CUDA_ARCHITECTURES=$arch" "$root" || {
     binding="build failed (see binding_build.log)"; return 1; }
   "$venv/bin/python" -c "import dte; assert dte._native.cuda_built, 'built without CUDA'" || {
     binding="built without CUDA (see binding_build.log)"; return 1; }

@@ -7,7 +7,9 @@ The tiny Qwen3 trains on the GPU with real autograd gradients and real torch.opt
 every optimizer step a CPU mirror (the same weights and optimizer state, copied) is published
 by the host path. The GPU publisher's messages must equal the host's byte for byte, and a
 receiver fed them must hold param.to(torch.bfloat16) bit for bit after every publication.
-Without a GPU only the refusals run: a CUDA device this process does not have."""
+The same tests also run with the model on the CPU (the mirror then checks the harness itself,
+everywhere); without a GPU only those and the refusals run."""
+import contextlib
 import os
 import sys
 
@@ -52,7 +54,10 @@ def mirror(model, opt, cpu_model, cpu_opt):
                                     for k, v in st.items()}
 
 
-@gpu
+DEVICES = ["cpu", pytest.param("cuda", marks=gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind,K,encoding,frozen", [
     ("adamw", 1, "diff", ()),
     ("adamw", 1, "value", ()),
@@ -60,8 +65,9 @@ def mirror(model, opt, cpu_model, cpu_opt):
     ("adam", 1, "diff", ()),
     ("sgd", 1, "diff", ()),
 ])
-def test_gpu_messages_are_the_hosts_and_receivers_bit_identical(kind, K, encoding, frozen):
-    device = torch.device("cuda", 0)
+def test_gpu_messages_are_the_hosts_and_receivers_bit_identical(kind, K, encoding, frozen, device):
+    device = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
+    cuda = device.type == "cuda"
     model = TinyQwen3().to(device)
     cpu_model = TinyQwen3()
     cpu_model.load_state_dict({k: v.cpu() for k, v in model.state_dict().items()})
@@ -82,11 +88,12 @@ def test_gpu_messages_are_the_hosts_and_receivers_bit_identical(kind, K, encodin
         assert pub.digest() == rx.digest() == host.digest()
 
     check(pub.publish_full(), host.publish_full())
-    side = torch.cuda.Stream(device)
+    side = torch.cuda.Stream(device) if cuda else None
     published = 0
     for i, tokens in enumerate(batches(CONFIG, steps=STEPS)):
         # every other step on a side stream: the publisher waits for the stream the step ran on
-        with torch.cuda.stream(side if i % 2 else torch.cuda.default_stream(device)):
+        stream = (side if i % 2 else torch.cuda.default_stream(device)) if cuda else None
+        with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
             model.loss(tokens.to(device)).backward()
             opt.step()
             mirror(model, opt, cpu_model, cpu_opt)
@@ -102,11 +109,11 @@ def test_gpu_messages_are_the_hosts_and_receivers_bit_identical(kind, K, encodin
     assert pub.report["changed"] > 0 and pub.report["scanned"] > 0
 
 
-@gpu
-def test_gpu_refusal_then_full():
+@pytest.mark.parametrize("device", DEVICES)
+def test_gpu_refusal_then_full(device):
     """A negative second moment on the GPU: the publication is refused, nothing is applied, and
     the next one is full and exact."""
-    device = torch.device("cuda", 0)
+    device = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
     model = TinyQwen3().to(device)
     opt = optimizer("adamw", model)
     pub = dte.TorchPublisher(model, opt)
