@@ -737,10 +737,11 @@ class SenderPipeline {
       kernels_[x] = {};
       weights_[x] = {};
       if (plan_.shard_size(b) == 0) continue;
+      check_buffer(access, b);
       std::vector<const float*> at;
       std::vector<kernel> host_kernels;
       for (const layout::PlanSegment& s : plan_.segments(b)) {
-        const std::span<const float> w = segment(access, b, s);
+        const std::span<const float> w = pipeline::segment_weights(access, rank_, b, s, label(s));
         at.push_back(w.data());
         if (mode != ScanMode::all) {
           host_kernels.push_back(Inverse::bind_unchecked(access.hyperparameters(rank_, b, s), w,
@@ -863,11 +864,10 @@ class SenderPipeline {
     }
   }
 
-  // Segment s's device weights (pipeline/segment_weights.hpp); a buffer's one span must hold the
-  // whole shard.
+  // A trainer that gives buffer b as one span must give the whole shard (a segmented one's
+  // spans are checked one by one as they are bound: pipeline/segment_weights.hpp).
   template <class Access>
-  [[nodiscard]] std::span<const float> segment(const Access& access, layout::BufferKind b,
-                                               const layout::PlanSegment& s) const {
+  void check_buffer(const Access& access, layout::BufferKind b) const {
     if constexpr (!segmented_access<Access>) {
       const std::size_t held = access.theta(rank_, b).size();
       if (static_cast<std::int64_t>(held) != plan_.shard_size(b)) {
@@ -878,7 +878,6 @@ class SenderPipeline {
                                std::to_string(plan_.shard_size(b)) + ". Nothing was sent.");
       }
     }
-    return pipeline::segment_weights(access, rank_, b, s, label(s));
   }
 
   [[nodiscard]] std::string label(const layout::PlanSegment& s) const {

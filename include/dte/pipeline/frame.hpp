@@ -198,7 +198,7 @@ class SenderFrame {
   // the plan leaves empty is never read, so what the accessor returns for it is not checked.
   template <class Access>
   void check_trainer(const Access& access) {
-    if constexpr (segmented<Access>) {
+    if constexpr (segmented_access<Access>) {
       // (each segment's weights apart: weights() checks each one's size as it binds it)
       return;
     } else {
@@ -243,12 +243,6 @@ class SenderFrame {
                                            label(s)));
     }
   }
-
-  // Whether the accessor gives each plan segment's weights apart (access.segment_theta(rank, b,
-  // segment): a sharded PyTorch trainer's local tensors) instead of one span per buffer. The
-  // stages then take an empty buffer span and read each segment where it lives.
-  template <class Access>
-  static constexpr bool segmented = segmented_access<Access>;
 
   // Segment s's weights (s.length of them).
   template <class Access>
@@ -396,8 +390,7 @@ class SenderFrame {
   // The index in its HF tensor of the element at shard offset o of run (which sends it).
   [[nodiscard]] std::uint32_t canonical_index(const pipeline::Run& run,
                                               std::int64_t o) const noexcept {
-    return static_cast<std::uint32_t>(run.canonical - (*hf_)[run.tensor].base +
-                                      (o - run.shard_begin));
+    return pipeline::canonical_index(*hf_, run, o);
   }
 
   // What the previous published bits of the element at shard offset o of run (buffer b) can be:
@@ -456,7 +449,7 @@ class SenderFrame {
     using pipeline::ScanMode;
     if (plan_.shard_size(b) == 0) return;
     std::span<const float> theta;
-    if constexpr (segmented<Access>) {
+    if constexpr (segmented_access<Access>) {
       auto& w = segment_theta_[idx(b)];
       w.clear();
       for (const layout::PlanSegment& s : plan_.segments(b))

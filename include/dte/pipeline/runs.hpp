@@ -39,6 +39,12 @@ struct Run {
   bool sender;  // false for TP replicas of replicated tensors (validated only)
 };
 
+// The index in its HF tensor of the element at shard offset o of run (which sends it).
+inline std::uint32_t canonical_index(const layout::HfModel& hf, const Run& run,
+                                     std::int64_t o) noexcept {
+  return static_cast<std::uint32_t>(run.canonical - hf[run.tensor].base + (o - run.shard_begin));
+}
+
 // The runs of both buffers of one trainer rank, in shard order, and their receiver targets.
 class RunTable {
  public:

@@ -47,8 +47,6 @@ class DeviceChunkSender {
       : hf_(&hf), pipeline_(hf, std::move(plan), rank, keep_mask, e) {}
 
   [[nodiscard]] const Plan& plan() const noexcept { return pipeline_.plan(); }
-  [[nodiscard]] const exec::Cuda& executor() const noexcept { return pipeline_.executor(); }
-  [[nodiscard]] std::uint64_t mask_bytes() const noexcept { return pipeline_.mask_bytes(); }
 
   // The sizes are checked as detect() binds each segment (before anything runs).
   template <class Access>
@@ -97,8 +95,7 @@ class DeviceChunkSender {
               const pipeline::Run& run = runs[r];
               if (!run.sender || run.tensor < 0) continue;  // (detect flags neither)
               const auto tensor = static_cast<std::uint32_t>(run.tensor);
-              const auto index = static_cast<std::uint32_t>(
-                  run.canonical - (*hf_)[run.tensor].base + (o - run.shard_begin));
+              const std::uint32_t index = pipeline::canonical_index(*hf_, run, o);
               if (with_previous) {
                 sink.put(tensor, index, bits[k], previous[k]);
               } else {
