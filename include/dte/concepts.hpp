@@ -59,6 +59,23 @@ concept change_detector = requires {
   { D::previous(r) } -> std::same_as<PreviousBits>;
 };
 
+// How an online-FP8 engine quantizes BF16 weights, per block (detect/fp8.hpp): the block's
+// shape, its scale from its largest magnitude, each code from the BF16 bits and 1 / scale, and
+// the code an element had when its previous bits are only known to lie in a range.
+template <class R>
+concept fp8_recipe = requires {
+  typename R::fp8_recipe_tag;
+  { R::block_rows } -> std::convertible_to<std::int64_t>;
+  { R::block_cols } -> std::convertible_to<std::int64_t>;
+}
+&&requires(std::uint16_t b, float x, const PreviousBits& p, std::uint8_t& c) {
+  { R::magnitude(b) } -> std::same_as<float>;
+  { R::scale(x) } -> std::same_as<float>;
+  { R::multiplier(x) } -> std::same_as<float>;
+  { R::code(b, x) } -> std::same_as<std::uint8_t>;
+  { R::previous_code(p, x, c) } -> std::same_as<bool>;
+};
+
 // Maps a trainer parameter element to its canonical (HF) element, per trainer rank:
 //   l(param, flat_index) -> L::canonical_type, l.is_sender(param) -> bool (one source per
 //   canonical element when parameters are replicated), l.contiguous(param, flat_index) -> how

@@ -28,6 +28,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -35,6 +36,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "dte/core/digest.hpp"
 #include "dte/error.hpp"
 #include "dte/io/json.hpp"
 #include "dte/io/model_config.hpp"
@@ -49,6 +51,27 @@ inline constexpr std::string_view format = "dte-publication-v1";
 // One writer's part of a publication (a sharded trainer's rank): the same framing, for merge()
 // only, so no receiver mistakes a part for a publication.
 inline constexpr std::string_view part_format = "dte-publication-part-v1";
+// A publication for receivers that serve online-quantized FP8 (docs/fp8.md): the same framing;
+// its chunks carry the tensors that stay BF16, and its "fp8" section lists one FP8 part per
+// receiver rank (storage/fp8_part.hpp), which follow the chunks in the body.
+inline constexpr std::string_view fp8_format = "dte-publication-fp8-v1";
+
+// The "fp8" section of an FP8 publication's header:
+//   {"recipe": "fp8-block", "tp": 2, "ep": 1,
+//    "parts": [{"rank": 0, "bytes": 123, "xxh3": "<16 hex digits>",
+//               "digest": ["<8 hex digits>", ...]}, ...]}
+// one part per TP rank of one replica, in rank order; digest: per quantized tensor of the rank
+// (layout::Fp8Grid::quantized_ids order), of its codes and scales after this version.
+struct Fp8Section {
+  struct Part {
+    std::uint32_t rank = 0;
+    std::uint64_t bytes = 0, xxh3 = 0;
+    std::vector<Digest> digest;
+  };
+  std::string recipe;
+  std::int64_t tp = 1, ep = 1;
+  std::vector<Part> parts;
+};
 // A header is a few hundred bytes per 64 tensors; 64 MiB leaves room for 10^5 chunks.
 inline constexpr std::uint32_t max_header_bytes = std::uint32_t{64} << 20;
 
@@ -61,8 +84,69 @@ inline layout::ModelSpec named_by_structure(layout::ModelSpec m) {
 }
 
 // The message of `manifest` (model named by structure, chunks listed in order) with `chunks`.
+inline nlohmann::ordered_json fp8_json(const Fp8Section& f) {
+  nlohmann::ordered_json j;
+  j["recipe"] = f.recipe;
+  j["tp"] = f.tp;
+  j["ep"] = f.ep;
+  j["parts"] = nlohmann::ordered_json::array();
+  for (const Fp8Section::Part& p : f.parts) {
+    nlohmann::ordered_json d = nlohmann::ordered_json::array();
+    for (Digest x : p.digest)
+      d.push_back(storage::detail::hex(x, 8));
+    j["parts"].push_back({{"rank", p.rank},
+                          {"bytes", p.bytes},
+                          {"xxh3", storage::detail::hex(p.xxh3, 16)},
+                          {"digest", std::move(d)}});
+  }
+  return j;
+}
+
+inline Fp8Section fp8_from_json(const nlohmann::json& j, const std::string& source) {
+  const io::JsonReader r(source);
+  storage::detail::only_keys(r, j, {"recipe", "tp", "ep", "parts"}, "fp8");
+  Fp8Section f;
+  f.recipe = r.string(j, "recipe", "fp8");
+  f.tp = r.integer(r.member(j, "tp", "fp8"), "fp8.tp", 1, 1 << 20);
+  f.ep = r.integer(r.member(j, "ep", "fp8"), "fp8.ep", 1, 1 << 20);
+  const nlohmann::json& parts = r.array(j, "parts", "fp8", 1 << 20);
+  for (std::size_t k = 0; k < parts.size(); ++k) {
+    const std::string path = "fp8.parts[" + std::to_string(k) + "]";
+    const nlohmann::json& p = parts[k];
+    if (!p.is_object()) r.fail(path, "is not an object");
+    storage::detail::only_keys(r, p, {"rank", "bytes", "xxh3", "digest"}, path);
+    Fp8Section::Part q;
+    q.rank = static_cast<std::uint32_t>(
+        r.integer(r.member(p, "rank", path), path + ".rank", 0, (1 << 20) - 1));
+    q.bytes = static_cast<std::uint64_t>(
+        r.integer(r.member(p, "bytes", path), path + ".bytes", 0, std::int64_t{1} << 40));
+    if (!storage::detail::parse_hex(r.string(p, "xxh3", path), 16, q.xxh3)) {
+      r.fail(path + ".xxh3", "is not 16 lowercase hex digits");
+    }
+    const nlohmann::json& d = r.array(p, "digest", path, 1 << 24);
+    for (std::size_t i = 0; i < d.size(); ++i) {
+      std::uint64_t x = 0;
+      if (!d[i].is_string() || !storage::detail::parse_hex(d[i].get<std::string>(), 8, x)) {
+        r.fail(path + ".digest[" + std::to_string(i) + "]", "is not 8 lowercase hex digits");
+      }
+      q.digest.push_back(static_cast<Digest>(x));
+    }
+    if (q.rank != k)
+      r.fail(path + ".rank", "is not " + std::to_string(k) + " (parts in rank order)");
+    f.parts.push_back(std::move(q));
+  }
+  return f;
+}
+
 inline Bytes encode(const layout::ModelSpec& model, const storage::Manifest& manifest,
-                    std::span<const Bytes> chunks, std::string_view what = format) {
+                    std::span<const Bytes> chunks, std::string_view what = format,
+                    const Fp8Section* fp8 = nullptr, std::span<const Bytes> fp8_parts = {}) {
+  if ((what == fp8_format) != (fp8 != nullptr) ||
+      (fp8 != nullptr && fp8->parts.size() != fp8_parts.size())) {
+    throw invalid_argument(
+        "dte::publication::encode: an FP8 publication needs its fp8 section "
+        "and one part per rank; no other publication has them");
+  }
   if (chunks.size() != manifest.chunks.size()) {
     throw invalid_argument("dte::publication::encode: the manifest lists " +
                            std::to_string(manifest.chunks.size()) + " chunks, given " +
@@ -72,9 +156,12 @@ inline Bytes encode(const layout::ModelSpec& model, const storage::Manifest& man
   h["format"] = what;
   h["config"] = io::config_json(model);
   h["manifest"] = nlohmann::ordered_json::parse(storage::manifest_json(manifest));
+  if (fp8 != nullptr) h["fp8"] = fp8_json(*fp8);
   const std::string text = h.dump();
   std::size_t total = magic.size() + 4 + text.size();
   for (const Bytes& c : chunks)
+    total += c.size();
+  for (const Bytes& c : fp8_parts)
     total += c.size();
   Bytes out(total);
   std::byte* p = out.data();
@@ -89,6 +176,10 @@ inline Bytes encode(const layout::ModelSpec& model, const storage::Manifest& man
     if (!c.empty()) std::memcpy(p, c.data(), c.size());
     p += c.size();
   }
+  for (const Bytes& c : fp8_parts) {
+    if (!c.empty()) std::memcpy(p, c.data(), c.size());
+    p += c.size();
+  }
   return out;
 }
 
@@ -97,7 +188,8 @@ inline Bytes encode(const layout::ModelSpec& model, const storage::Manifest& man
 struct Envelope {
   nlohmann::json config;
   nlohmann::json manifest;          // parsed (strictly), not yet read
-  std::span<const std::byte> body;  // the chunks
+  nlohmann::json fp8;               // an FP8 publication's section (null otherwise), not yet read
+  std::span<const std::byte> body;  // the chunks (and an FP8 publication's parts)
 };
 
 inline Envelope envelope(std::span<const std::byte> bytes, const std::string& source,
@@ -121,8 +213,24 @@ inline Envelope envelope(std::span<const std::byte> bytes, const std::string& so
   nlohmann::json h = io::parse_strict(std::string_view(text, n), source, "publication header", 6);
   const io::JsonReader r(source);
   if (!h.is_object()) r.fail("", "is not a JSON object");
-  storage::detail::only_keys(r, h, {"format", "config", "manifest"}, "");
   const std::string f = r.string(h, "format", "");
+  if (f == fp8_format && what != fp8_format) {
+    throw format_error(source +
+                       ": a publication for FP8 receivers (its quantized tensors are "
+                       "FP8 codes and scales); apply it with a receiver that serves FP8 "
+                       "(TorchReceiver(..., quantization=...)), or publish BF16 for this one");
+  }
+  if (what == fp8_format && f == format) {
+    throw format_error(source +
+                       ": a BF16 publication, but this receiver serves FP8: publish "
+                       "with fp8= (TorchPublisher(..., fp8=...)) for the receivers' recipe and "
+                       "TP size");
+  }
+  if (what == fp8_format) {
+    storage::detail::only_keys(r, h, {"format", "config", "manifest", "fp8"}, "");
+  } else {
+    storage::detail::only_keys(r, h, {"format", "config", "manifest"}, "");
+  }
   if (f != what) {
     if (f == part_format) {
       throw format_error(source + ": one writer's part of a publication, not a publication; " +
@@ -138,6 +246,10 @@ inline Envelope envelope(std::span<const std::byte> bytes, const std::string& so
   if (!e.config.is_object()) r.fail("config", "is not an object");
   if (!r.member(h, "manifest", "").is_object()) r.fail("manifest", "is not an object");
   e.manifest = std::move(h["manifest"]);  // (present: member() checked it)
+  if (what == fp8_format) {
+    if (!r.member(h, "fp8", "").is_object()) r.fail("fp8", "is not an object");
+    e.fp8 = std::move(h["fp8"]);
+  }
   e.body = bytes.subspan(magic.size() + 4 + n);
   return e;
 }
@@ -146,6 +258,8 @@ inline Envelope envelope(std::span<const std::byte> bytes, const std::string& so
 struct View {
   storage::Manifest manifest;
   std::vector<std::span<const std::byte>> chunks;
+  std::optional<Fp8Section> fp8;                      // an FP8 publication's
+  std::vector<std::span<const std::byte>> fp8_parts;  // per rank
 };
 
 inline View decode(const layout::HfModel& hf, std::span<const std::byte> bytes,
@@ -177,6 +291,24 @@ inline View decode(const layout::HfModel& hf, std::span<const std::byte> bytes,
     }
     v.chunks.push_back(part);
     at += c.bytes;
+  }
+  if (what == fp8_format) {
+    v.fp8 = fp8_from_json(e.fp8, source + " header");
+    for (std::size_t k = 0; k < v.fp8->parts.size(); ++k) {
+      const Fp8Section::Part& q = v.fp8->parts[k];
+      if (q.bytes > e.body.size() - at) {
+        throw format_error(source + ": FP8 part " + std::to_string(k) + " of " +
+                           std::to_string(q.bytes) + " bytes runs past the end of the message " +
+                           "(truncated)");
+      }
+      const auto part = e.body.subspan(at, q.bytes);
+      if (storage::checksum(part) != q.xxh3) {
+        throw format_error(source + ": FP8 part " + std::to_string(k) +
+                           " fails its xxh3 checksum (corrupted in transit)");
+      }
+      v.fp8_parts.push_back(part);
+      at += q.bytes;
+    }
   }
   if (at != e.body.size()) {
     throw format_error(source + ": " + std::to_string(e.body.size() - at) +

@@ -27,9 +27,12 @@
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
+#include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -41,6 +44,7 @@
 #include "dte/layout/hf.hpp"
 #include "dte/layout/identity.hpp"
 #include "dte/pipeline/frame.hpp"
+#include "dte/publication/fp8_sender.hpp"
 #include "dte/publication/message.hpp"
 #include "dte/storage/chunk_sink.hpp"
 #include "dte/storage/publisher.hpp"
@@ -58,11 +62,20 @@ struct FlatTrainer {
 };
 
 // The accessor the publisher reads a FlatTrainer through.
+// hf: the model, for FP8 receivers (hf_weights: an HF tensor's weights whole).
 template <optimizer_inverse Inverse>
 struct FlatAccess {
   const FlatTrainer<Inverse>* t;
+  const layout::HfModel* hf = nullptr;
   [[nodiscard]] std::span<const float> theta(std::int64_t, layout::BufferKind b) const {
     return b == layout::BufferKind::dense ? t->theta : std::span<const float>{};
+  }
+  [[nodiscard]] std::span<const float> hf_weights(std::int64_t tensor) const {
+    if (hf == nullptr) {
+      throw invalid_argument("publication::FlatAccess: FP8 receivers need the model (hf)");
+    }
+    return t->theta.subspan(static_cast<std::size_t>((*hf)[tensor].base),
+                            static_cast<std::size_t>((*hf)[tensor].numel()));
   }
   [[nodiscard]] typename Inverse::hyperparameters hyperparameters(
       std::int64_t, layout::BufferKind, const layout::PlanSegment& s) const {
@@ -95,8 +108,10 @@ struct PublishReport {
   std::uint64_t guard = 0;  // of the changed ones, sent because of the guard band only
   std::uint64_t bytes = 0;  // the message
   std::uint64_t dense_bytes = 0;
-  Digest digest = 0;   // the trainer's state, summed over tensors
-  double seconds = 0;  // inside the publisher
+  std::uint64_t fp8_codes = 0;   // FP8 publications: codes sent, over every rank
+  std::uint64_t fp8_scales = 0;  // ... and block scales
+  Digest digest = 0;             // the trainer's state, summed over tensors
+  double seconds = 0;            // inside the publisher
   [[nodiscard]] bool full() const noexcept { return base == no_version; }
 };
 
@@ -158,6 +173,23 @@ class Publisher {
   [[nodiscard]] const PublishReport& last() const noexcept { return last_; }
   // Whether a part awaits commit() or abort().
   [[nodiscard]] bool pending() const noexcept { return pending_.has_value(); }
+  [[nodiscard]] bool serves_fp8() const noexcept { return fp8_ != nullptr; }
+
+  // From the next publication on (a full one), publish for receivers that serve online FP8
+  // (docs/fp8.md): target's recipe and one replica of its topology. The access passed to step()
+  // and publish() must then give each HF tensor's weights whole (hf_weights(t)). One writer on
+  // the host only.
+  void serve_fp8(const Fp8Target& target) {
+    if (writer_.count != 1 || !std::same_as<Exec, HostExecutor>) {
+      throw unsupported(
+          "publication::Publisher::serve_fp8: FP8 receivers are served by one writer holding "
+          "the whole model on the host; sharded trainers and CUDA tensors are not covered yet "
+          "(docs/fp8.md)");
+    }
+    if (pending_) throw protocol_error("publication::Publisher::serve_fp8: a version is pending");
+    fp8_ = make_fp8_stage<Detect>(hf_, target);
+    schedule_.require_full();
+  }
 
   // After every optimizer step: a message every publish_every steps, else nothing (this step's
   // changes ORed into the dirty mask). A refusal throws; the next publication is then full.
@@ -193,15 +225,28 @@ class Publisher {
     std::vector<Bytes> blobs;
     ScanResult scan;
     storage::Manifest m;
+    std::optional<Fp8Section> fp8;
+    std::vector<Bytes> fp8_parts;
     try {
       sender_.check_trainer(access);
+      // (the previous bits are known when the base is the previous optimizer step)
+      const bool one_step = !full && pass.steps == 1;
       const auto write_chunks = [&](auto& sink) {
+        if constexpr (std::same_as<Exec, HostExecutor>) {
+          if (fp8_) {
+            fp8_->begin(full);
+            Fp8Sink<std::remove_reference_t<decltype(sink)>> split(sink, *fp8_, one_step);
+            scan = sender_.scan(access, pass.mode, split);
+            m.chunks = sink.written();
+            fp8 = fp8_->finish(whole_tensors(access), v, base, cfg_.zstd_level, fp8_parts);
+            return;
+          }
+        }
         scan = sender_.scan(access, pass.mode, sink);
         m.chunks = sink.written();
       };
       const storage::ChunkHeader header{v, base, 0, writer_.rank};
-      // (diff needs the base to be the previous optimizer step: one step since the last one)
-      if (cfg_.encoding == storage::Encoding::diff && !full && pass.steps == 1) {
+      if (cfg_.encoding == storage::Encoding::diff && one_step) {
         storage::ChunkSink<true, storage::ChunkMemory> sink(hf_, header, cfg_.zstd_level,
                                                             cfg_.chunk_entries, {&blobs, full});
         write_chunks(sink);
@@ -211,6 +256,7 @@ class Publisher {
         write_chunks(sink);
       }
     } catch (...) {
+      if (fp8_) fp8_->abort();
       schedule_.require_full();
       throw;
     }
@@ -220,7 +266,8 @@ class Publisher {
     m.writers = writer_.count;
     m.changed = scan.changed;
     m.digest = scan.digest;
-    Bytes out = encode(spec_, m, blobs, writer_.count == 1 ? format : part_format);
+    Bytes out = fp8 ? encode(spec_, m, blobs, fp8_format, &*fp8, fp8_parts)
+                    : encode(spec_, m, blobs, writer_.count == 1 ? format : part_format);
     PublishReport rep;
     rep.version = v;
     rep.base = base;
@@ -231,6 +278,7 @@ class Publisher {
     rep.dense_bytes = 2 * static_cast<std::uint64_t>(hf_.total());
     for (Digest d : scan.digest)
       rep.digest += d;
+    if (fp8) std::tie(rep.fp8_codes, rep.fp8_scales) = fp8_->sent();
     rep.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     pending_ = Pending{v, pass.clears_masks(), std::move(scan.digest), rep};
     if (writer_.count == 1) commit();
@@ -241,6 +289,7 @@ class Publisher {
   void commit() {
     if (!pending_) throw protocol_error("publication::Publisher::commit: no version is pending");
     if (pending_->clears_masks) sender_.clear_masks();
+    if (fp8_) fp8_->commit();
     schedule_.published();
     version_ = pending_->version;
     digest_ = std::move(pending_->digest);
@@ -252,6 +301,7 @@ class Publisher {
   // publication is full (nothing is known about what the failed step changed).
   void abort() noexcept {
     pending_.reset();
+    if (fp8_) fp8_->abort();
     schedule_.require_full();
   }
 
@@ -294,6 +344,18 @@ class Publisher {
     return c;
   }
 
+  // Each HF tensor's weights, whole: what the FP8 stage reads its touched blocks from.
+  template <class Access>
+  static HfWeights whole_tensors(const Access& access) {
+    if constexpr (requires { access.hf_weights(std::int64_t{}); }) {
+      return [&access](std::int64_t t) { return access.hf_weights(t); };
+    } else {
+      throw unsupported(
+          "publication::Publisher: FP8 receivers need the trainer's access to give each HF "
+          "tensor's weights whole (hf_weights(t))");
+    }
+  }
+
   struct Pending {
     Version version;
     bool clears_masks;
@@ -311,6 +373,7 @@ class Publisher {
   std::vector<Digest> digest_;
   PublishReport last_;
   std::optional<Pending> pending_;
+  std::unique_ptr<Fp8Stage> fp8_;
 };
 
 }  // namespace dte::publication

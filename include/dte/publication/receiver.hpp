@@ -65,15 +65,15 @@ namespace detail {
 // re-delivery of the version held (rep says current); rep's base and bytes are filled either
 // way. Each entry is decoded into room(tensor, n) (storage::visit_chunk_into). The version chain
 // and the coverage of a full publication are the receiver core's (receive/core.hpp).
+// (v: the message of `bytes` bytes, decoded.)
 template <class Room, class Route>
-std::optional<storage::Manifest> stage(const layout::HfModel& hf, std::span<const std::byte> bytes,
+std::optional<storage::Manifest> stage(const layout::HfModel& hf, View& v, std::size_t bytes,
                                        const receive::Core& core, storage::ChunkScratch& scratch,
                                        receive::StagedWrites& w, ApplyReport& rep, Room&& room,
                                        Route&& route) {
-  View v = decode(hf, bytes, "publication");
   const storage::Manifest& m = v.manifest;
   rep.base = m.base;
-  rep.bytes = bytes.size();
+  rep.bytes = bytes;
   w.clear();
   w.kind = m.anchor() ? MessageKind::full : MessageKind::delta;
   w.version = m.version;
@@ -168,8 +168,9 @@ class HfReceiver {
     ApplyReport rep;
     receive::StagedWrites& w = staged_;
     // (each entry decoded straight into the staged writes: the HF tensors are the receiver's)
+    View v = decode(hf_, bytes, "publication");
     const std::optional<storage::Manifest> m = detail::stage(
-        hf_, bytes, core_, scratch_, w, rep,
+        hf_, v, bytes.size(), core_, scratch_, w, rep,
         [&](std::int64_t, std::size_t n) {
           const receive::StagedWrites::Room r = w.room(n);
           return std::pair{r.index, r.bits};
@@ -230,11 +231,12 @@ class ShardReceiver {
                                             nullptr);
     out[static_cast<std::size_t>(ts_)] = &w;
     receive::Router router(layout_, out);
-    const std::optional<storage::Manifest> m = detail::stage(
-        hf_, bytes, receiver_.core(), scratch_, w, rep, storage::detail::ScratchRoom{&scratch_},
-        [&](std::int64_t t, const std::uint32_t* index, const std::uint16_t* bits, std::size_t n) {
-          router.route(t, index, bits, n);
-        });
+    View v = decode(hf_, bytes, "publication");
+    const std::optional<storage::Manifest> m =
+        detail::stage(hf_, v, bytes.size(), receiver_.core(), scratch_, w, rep,
+                      storage::detail::ScratchRoom{&scratch_},
+                      [&](std::int64_t t, const std::uint32_t* index, const std::uint16_t* bits,
+                          std::size_t n) { router.route(t, index, bits, n); });
     if (!m) return rep;
     rep.outcome = receiver_.apply(w);
     rep.written = w.size();

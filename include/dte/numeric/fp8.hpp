@@ -1,0 +1,59 @@
+// SPDX-License-Identifier: Apache-2.0
+// FP8 E4M3FN (the float8_e4m3fn of torch and CUDA's __nv_fp8_e4m3): 1 sign bit, 4 exponent bits
+// (bias 7), 3 mantissa bits, no infinities, one NaN pattern per sign (S.1111.111), largest finite
+// 448, smallest subnormal 2^-9.
+//
+// e4m3fn_from_float is torch's float -> float8_e4m3fn conversion (c10/util/Float8_e4m3fn.h,
+// fp8e4m3fn_from_fp32_value), which `tensor.to(torch.float8_e4m3fn)` runs on the CPU:
+// round-to-nearest-even; a magnitude at or above 480 (the first value past 448's rounding
+// interval), an infinity or a NaN becomes NaN (0x7F with the input's sign), never saturates;
+// subnormals are rounded by one FP32 addition, as torch does. An exhaustive test over all 2^32
+// inputs (tests/numeric) compares it with the nearest-value definition, and a Python test with
+// torch itself.
+#pragma once
+
+#include <cstdint>
+
+#include "dte/config.hpp"
+#include "dte/numeric/round.hpp"
+
+namespace dte {
+
+inline constexpr float e4m3fn_max = 448.0f;
+
+DTE_HOST_DEVICE inline std::uint8_t e4m3fn_from_float(float x) noexcept {
+  constexpr std::uint32_t past_max = std::uint32_t{1087} << 20;  // 480.0f
+  constexpr std::uint32_t denorm_magic = std::uint32_t{141} << 23;
+  std::uint32_t u = float_bits(x);
+  const std::uint32_t sign = u & 0x80000000u;
+  u ^= sign;
+  std::uint8_t r;
+  if (u >= past_max) {
+    r = 0x7F;
+  } else if (u < (std::uint32_t{121} << 23)) {
+    // below 2^-6, the smallest normal: the addition rounds the value onto the subnormal grid
+    const std::uint32_t s = float_bits(bits_float(u) + bits_float(denorm_magic));
+    r = static_cast<std::uint8_t>(s - denorm_magic);
+  } else {
+    const std::uint32_t odd = (u >> 20) & 1u;
+    u += (static_cast<std::uint32_t>(7 - 127) << 23) + 0x7FFFFu + odd;
+    r = static_cast<std::uint8_t>(u >> 20);
+  }
+  return static_cast<std::uint8_t>(r | (sign >> 24));
+}
+
+// The value of an E4M3FN code (NaN for S.1111.111).
+DTE_HOST_DEVICE inline float e4m3fn_to_float(std::uint8_t c) noexcept {
+  const std::uint32_t sign = static_cast<std::uint32_t>(c & 0x80u) << 24;
+  const std::uint32_t e = (c >> 3) & 0xFu, m = c & 0x7u;
+  if (e == 0xF && m == 0x7) return bits_float(sign | 0x7FC00000u);
+  float v;
+  if (e == 0) {
+    v = static_cast<float>(m) * 0.001953125f;  // m * 2^-9
+  } else {
+    v = bits_float(((e + 120u) << 23) | (m << 20));
+  }
+  return bits_float(float_bits(v) | sign);
+}
+
+}  // namespace dte

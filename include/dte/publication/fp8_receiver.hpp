@@ -1,0 +1,307 @@
+// SPDX-License-Identifier: Apache-2.0
+// Fp8ShardReceiver: one TP rank of an engine that serves online-quantized FP8 (docs/fp8.md),
+// kept current from FP8 publications (publication/message.hpp, fp8_format) in the caller's own
+// tensors: per quantized tensor (layout/fp8_grid.hpp) its E4M3FN codes ([out, in], one byte
+// each) and its block scales (weight_scale_inv, FP32), and the tensors that stay BF16 (embeddings,
+// lm_head, norms, biases) as a ShardReceiver holds them.
+//
+// One publication, top to bottom: decode the message (framing, checksums, header); the version
+// chain; the BF16 chunks routed into staged writes for this rank and checked (receive/core.hpp);
+// this rank's FP8 part decoded and checked (its header, offsets and blocks in range and
+// ascending, a full publication writing every code and every scale exactly once). Only then are
+// values written: the codes and scales first, each overwritten value kept, the rank's digest of
+// every quantized tensor moved by what was overwritten and written; unless every digest equals
+// the sender's (the message's: of the engine's own quantization of the trainer's weights), every
+// FP8 write is undone and the publication refused. Then the BF16 writes and the version commit.
+// A refusal leaves tensors, version and digests as they were.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dte/core/digest.hpp"
+#include "dte/error.hpp"
+#include "dte/layout/fp8_grid.hpp"
+#include "dte/layout/hf.hpp"
+#include "dte/layout/serving.hpp"
+#include "dte/publication/fp8_sender.hpp"
+#include "dte/publication/message.hpp"
+#include "dte/publication/receiver.hpp"
+#include "dte/receive/core.hpp"
+#include "dte/receive/route.hpp"
+#include "dte/receive/staged.hpp"
+#include "dte/storage/fp8_part.hpp"
+
+namespace dte::publication {
+
+// One quantized tensor of a rank, as the engine holds it.
+struct Fp8Tensor {
+  std::span<std::uint8_t> code;  // [rows, cols] E4M3FN codes
+  std::span<float> scale;        // [grid_rows, grid_cols] block scales
+};
+
+class Fp8ShardReceiver {
+ public:
+  // TP rank `ts` of one replica of `topology`, serving `recipe` (VllmBlockFp8::name).
+  // bf16: one view per serving tensor in ServingLayout order, empty for the quantized ones;
+  // fp8: per quantized tensor, in Fp8Grid::quantized_ids() order.
+  Fp8ShardReceiver(const layout::ModelSpec& model, const layout::InferTopology& topology,
+                   std::int64_t ts, std::string recipe, ReceiverTensors bf16,
+                   std::vector<Fp8Tensor> fp8)
+      : spec_(named_by_structure(model)),
+        hf_(spec_),
+        layout_(hf_, one_replica(topology)),
+        grid_(layout_, block_of(recipe).first, block_of(recipe).second),
+        ts_(checked_rank(ts, topology)),
+        recipe_(std::move(recipe)),
+        core_(make_core(hf_, layout_, grid_, ts_)),
+        fp8_(std::move(fp8)),
+        digest_(grid_.quantized_ids().size(), 0) {
+    core_.hold(std::move(bf16));
+    const std::vector<std::int64_t>& ids = grid_.quantized_ids();
+    if (fp8_.size() != ids.size()) {
+      throw invalid_argument(who() + ": given " + std::to_string(fp8_.size()) +
+                             " FP8 tensors, the layout quantizes " + std::to_string(ids.size()));
+    }
+    for (std::size_t k = 0; k < ids.size(); ++k) {
+      const layout::BlockGrid& g = grid_.grid(ids[k]);
+      if (fp8_[k].code.size() != static_cast<std::size_t>(g.numel()) ||
+          fp8_[k].scale.size() != static_cast<std::size_t>(g.blocks())) {
+        throw invalid_argument(who() + ": " + layout_.name(ids[k]) + " has " +
+                               std::to_string(fp8_[k].code.size()) + " codes and " +
+                               std::to_string(fp8_[k].scale.size()) + " scales, the layout " +
+                               std::to_string(g.numel()) + " and " + std::to_string(g.blocks()));
+      }
+    }
+  }
+
+  Fp8ShardReceiver(const Fp8ShardReceiver&) = delete;
+  Fp8ShardReceiver& operator=(const Fp8ShardReceiver&) = delete;
+
+  [[nodiscard]] const layout::HfModel& model() const noexcept { return hf_; }
+  [[nodiscard]] const layout::ServingLayout& layout() const noexcept { return layout_; }
+  [[nodiscard]] const layout::Fp8Grid& grid() const noexcept { return grid_; }
+  [[nodiscard]] std::int64_t rank() const noexcept { return ts_; }
+  [[nodiscard]] Version version() const noexcept { return core_.version(); }
+  // Per canonical tensor, of this rank's BF16 part.
+  [[nodiscard]] const std::vector<Digest>& digest() const noexcept { return core_.digest(); }
+  // Per quantized tensor, of its codes and scales.
+  [[nodiscard]] const std::vector<Digest>& fp8_digest() const noexcept { return digest_; }
+
+  // The first quantized tensor whose codes or scales differ from what dte wrote ("" if none):
+  // the digest recomputed from every element.
+  [[nodiscard]] std::string verify() const {
+    if (core_.version() == no_version) return {};
+    const std::vector<std::int64_t>& ids = grid_.quantized_ids();
+    for (std::size_t k = 0; k < ids.size(); ++k) {
+      const layout::BlockGrid& g = grid_.grid(ids[k]);
+      Digest d = 0;
+      for (std::size_t o = 0; o < fp8_[k].code.size(); ++o)
+        d += fp8_code_digest(static_cast<std::int64_t>(o), fp8_[k].code[o]);
+      for (std::size_t b = 0; b < fp8_[k].scale.size(); ++b)
+        d += fp8_scale_digest(g.numel(), static_cast<std::int64_t>(b), fp8_[k].scale[b]);
+      if (d != digest_[k]) return layout_.name(ids[k]);
+    }
+    return {};
+  }
+
+  ApplyReport apply(std::span<const std::byte> bytes) {
+    const auto t0 = std::chrono::steady_clock::now();
+    ApplyReport rep;
+    receive::StagedWrites& w = staged_;
+    std::vector<receive::StagedWrites*> out(static_cast<std::size_t>(layout_.topology().tp),
+                                            nullptr);
+    out[static_cast<std::size_t>(ts_)] = &w;
+    receive::Router router(layout_, out);
+    View v = decode(hf_, bytes, "publication", fp8_format);
+    const Fp8Section::Part& section = check_section(*v.fp8);
+    const std::optional<storage::Manifest> m = detail::stage(
+        hf_, v, bytes.size(), core_, scratch_, w, rep, storage::detail::ScratchRoom{&scratch_},
+        [&](std::int64_t t, const std::uint32_t* index, const std::uint16_t* bits, std::size_t n) {
+          router.route(t, index, bits, n);
+        });
+    if (!m) return rep;
+    const storage::Fp8Part part = storage::decode_fp8_part(
+        grid_, recipe_, v.fp8_parts[static_cast<std::size_t>(ts_)],
+        "publication v" + std::to_string(m->version) + " FP8 part " + std::to_string(ts_),
+        {m->version, m->base, static_cast<std::uint32_t>(ts_)});
+    const bool full = m->anchor();
+    check_part(part, full);
+    core_.check(w);
+    // (nothing written before this line)
+    rep.written = write_fp8(part, full, section.digest);
+    core_.commit(w);
+    rep.outcome = ApplyOutcome::committed;
+    rep.written += w.size();
+    rep.touched = w.tensors();
+    for (const storage::Fp8Writes& t : part.tensors)
+      rep.touched.push_back(static_cast<std::uint32_t>(t.tensor));
+    std::sort(rep.touched.begin(), rep.touched.end());
+    detail::release_if_full(scratch_, w);
+    rep.version = core_.version();
+    rep.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return rep;
+  }
+
+ private:
+  static layout::InferTopology one_replica(layout::InferTopology t) {
+    t.replicas = 1;
+    return t;
+  }
+  static std::int64_t checked_rank(std::int64_t ts, const layout::InferTopology& t) {
+    if (ts < 0 || ts >= t.tp) {
+      throw invalid_argument("Fp8ShardReceiver: TP rank " + std::to_string(ts) +
+                             " is not a rank of tp=" + std::to_string(t.tp));
+    }
+    return ts;
+  }
+  static std::pair<std::int64_t, std::int64_t> block_of(const std::string& recipe) {
+    if (recipe == VllmBlockFp8::name) return {VllmBlockFp8::block_rows, VllmBlockFp8::block_cols};
+    throw unsupported("Fp8ShardReceiver: no recipe \"" + recipe + "\"; dte covers \"" +
+                      std::string(VllmBlockFp8::name) + "\" (docs/fp8.md)");
+  }
+  // The BF16 part's core: the quantized tensors hold no BF16 element (numel 0).
+  static receive::Core make_core(const layout::HfModel& hf, const layout::ServingLayout& l,
+                                 const layout::Fp8Grid& g, std::int64_t ts) {
+    std::vector<std::uint64_t> numel, live;
+    for (std::int64_t k = 0; k < l.size(); ++k) {
+      const bool q = g.quantized(k);
+      numel.push_back(q ? 0 : static_cast<std::uint64_t>(l[k].numel));
+      live.push_back(q ? 0 : static_cast<std::uint64_t>(l.live_end(ts, k)));
+    }
+    return receive::Core(
+        "FP8 receiver " + std::to_string(ts), ts, std::move(numel), std::move(live),
+        static_cast<std::size_t>(hf.size()), [&l](std::int64_t k) { return l.name(k); },
+        [&hf](std::int64_t t) { return hf.name(t); });
+  }
+
+  [[nodiscard]] std::string who() const { return "FP8 receiver " + std::to_string(ts_); }
+
+  const Fp8Section::Part& check_section(const Fp8Section& s) const {
+    const layout::InferTopology& t = layout_.topology();
+    if (s.recipe != recipe_ || s.tp != t.tp || s.ep != t.ep) {
+      throw format_error(who() + ": the publication is quantized by \"" + s.recipe +
+                         "\" for tp=" + std::to_string(s.tp) + " ep=" + std::to_string(s.ep) +
+                         "; this receiver serves \"" + recipe_ +
+                         "\" at tp=" + std::to_string(t.tp) + " ep=" + std::to_string(t.ep) +
+                         ": publish for this topology (TorchPublisher(..., fp8=...))");
+    }
+    if (s.parts.size() != static_cast<std::size_t>(t.tp)) {
+      throw format_error(who() + ": the publication has " + std::to_string(s.parts.size()) +
+                         " FP8 parts for " + std::to_string(t.tp) + " ranks");
+    }
+    const Fp8Section::Part& p = s.parts[static_cast<std::size_t>(ts_)];
+    if (p.digest.size() != digest_.size()) {
+      throw format_error(who() + ": the publication's FP8 part has " +
+                         std::to_string(p.digest.size()) + " digests, this rank quantizes " +
+                         std::to_string(digest_.size()) + " tensors");
+    }
+    return p;
+  }
+
+  // Offsets and blocks ascend (the gap code) and lie in range (decode_fp8_part); a full
+  // publication writes each exactly once.
+  void check_part(const storage::Fp8Part& part, bool full) const {
+    if (!full) return;
+    const std::vector<std::int64_t>& ids = grid_.quantized_ids();
+    if (part.tensors.size() != ids.size()) {
+      throw protocol_error(who() + ": a full publication's FP8 part writes " +
+                           std::to_string(part.tensors.size()) + " of the " +
+                           std::to_string(ids.size()) + " quantized tensors");
+    }
+    for (const storage::Fp8Writes& t : part.tensors) {
+      const layout::BlockGrid& g = grid_.grid(t.tensor);
+      if (t.index.size() != static_cast<std::size_t>(g.numel()) ||
+          t.block.size() != static_cast<std::size_t>(g.blocks())) {
+        throw protocol_error(who() + ": a full publication writes " +
+                             std::to_string(t.index.size()) + " codes and " +
+                             std::to_string(t.block.size()) + " scales of " +
+                             layout_.name(t.tensor) + ", which has " + std::to_string(g.numel()) +
+                             " and " + std::to_string(g.blocks()));
+      }
+    }
+  }
+
+  std::size_t slot(std::int64_t id) const {
+    const std::vector<std::int64_t>& ids = grid_.quantized_ids();
+    return static_cast<std::size_t>(std::lower_bound(ids.begin(), ids.end(), id) - ids.begin());
+  }
+
+  // Writes the part, moving each tensor's digest; undoes everything and refuses unless every
+  // digest is then the sender's. Returns the writes.
+  std::uint64_t write_fp8(const storage::Fp8Part& part, bool full,
+                          const std::vector<Digest>& expected) {
+    std::vector<Digest> digest = digest_;
+    if (full) std::fill(digest.begin(), digest.end(), 0);
+    old_code_.clear();
+    old_scale_.clear();
+    std::uint64_t n = 0;
+    for (const storage::Fp8Writes& t : part.tensors) {
+      const std::size_t k = slot(t.tensor);
+      const std::int64_t numel = grid_.grid(t.tensor).numel();
+      Fp8Tensor& x = fp8_[k];
+      Digest& d = digest[k];
+      for (std::size_t i = 0; i < t.index.size(); ++i) {
+        std::uint8_t& c = x.code[t.index[i]];
+        old_code_.push_back(c);
+        if (!full) d -= fp8_code_digest(t.index[i], c);
+        c = t.code[i];
+        d += fp8_code_digest(t.index[i], c);
+      }
+      for (std::size_t i = 0; i < t.block.size(); ++i) {
+        float& s = x.scale[t.block[i]];
+        old_scale_.push_back(s);
+        if (!full) d -= fp8_scale_digest(numel, t.block[i], s);
+        s = t.scale[i];
+        d += fp8_scale_digest(numel, t.block[i], s);
+      }
+      n += t.index.size() + t.block.size();
+    }
+    for (std::size_t k = 0; k < digest.size(); ++k) {
+      if (digest[k] != expected[k]) {
+        undo(part);
+        throw protocol_error(
+            who() + ": after the publication, " + layout_.name(grid_.quantized_ids()[k]) +
+            " would not hold the sender's quantization of the trainer's weights (digest " +
+            storage::detail::hex(digest[k], 8) + ", the sender's " +
+            storage::detail::hex(expected[k], 8) +
+            "): its codes or scales were changed behind dte's back, or the message lost writes; "
+            "nothing was applied. Resynchronise with a full publication");
+      }
+    }
+    digest_ = std::move(digest);
+    return n;
+  }
+
+  void undo(const storage::Fp8Part& part) noexcept {
+    std::size_t c = 0, s = 0;
+    for (const storage::Fp8Writes& t : part.tensors) {
+      Fp8Tensor& x = fp8_[slot(t.tensor)];
+      for (std::uint32_t o : t.index)
+        x.code[o] = old_code_[c++];
+      for (std::uint32_t b : t.block)
+        x.scale[b] = old_scale_[s++];
+    }
+  }
+
+  layout::ModelSpec spec_;
+  layout::HfModel hf_;
+  layout::ServingLayout layout_;
+  layout::Fp8Grid grid_;
+  std::int64_t ts_;
+  std::string recipe_;
+  receive::Core core_;
+  std::vector<Fp8Tensor> fp8_;
+  std::vector<Digest> digest_;  // per quantized tensor
+  storage::ChunkScratch scratch_;
+  receive::StagedWrites staged_;
+  std::vector<std::uint8_t> old_code_;  // what the FP8 writes overwrote (undo)
+  std::vector<float> old_scale_;
+};
+
+}  // namespace dte::publication
