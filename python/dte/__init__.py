@@ -141,11 +141,19 @@ class TorchPublisher:
     storage root follow (give the last version published, e.g. a receiver's rx.version or the
     root's LATEST): its first publication is then that + 1, full. Receivers never move back, so
     a restarted publisher starting again at 1 would be refused.
+
+    quantization: receivers that serve online-quantized FP8 (docs/fp8.md), e.g. 'fp8-block'
+    (vLLM's per-block recipe), at the TP size infer= ('tp=N'; default 1): each publication then
+    carries, per TP rank, the FP8 codes and block scales that change, bit-identical to the
+    engine's own requantization, and the tensors that stay BF16 as usual; receivers are
+    TorchReceiver(..., quantization=..., infer=..., rank=...). One process holding the whole
+    model on the CPU.
     """
 
     def __init__(self, model, optimizer, detect: str = "bf16", publish_every: int = 1,
                  config=None, zstd_level: int = 1, continue_after: int = 0,
-                 encoding: str = "diff", group=None, dst: int = 0):
+                 encoding: str = "diff", group=None, dst: int = 0,
+                 quantization: Optional[str] = None, infer=None):
         if detect != "bf16":
             raise UnsupportedError(f"detect={detect!r}: the Python binding publishes BF16 (detect='bf16')")
         if encoding not in ("diff", "value"):
@@ -178,6 +186,13 @@ class TorchPublisher:
             kind, self._config, publish_every, zstd_level, encoding == "diff", pieces,
             [s.numel for s in self._slots], slot_group, kind == "adamw", self._rank, self._world,
             -1 if self._device.type == "cpu" else self._device.index)
+        if quantization is not None:
+            if self._world > 1:
+                raise UnsupportedError("quantization=: FP8 receivers are served by one process holding the whole model; sharded trainers are not covered yet (docs/fp8.md)")
+            tp, ep = _infer(infer) or (1, 1)
+            self._native.serve_fp8(str(quantization), tp, ep)
+        elif infer is not None:
+            raise InvalidArgument("infer= names the TP size of FP8 receivers; give quantization= with it (BF16 publications serve every topology)")
         if continue_after:
             self._native.continue_after(int(continue_after))
         self._seen = 0  # optimizer steps since the last step()
@@ -506,12 +521,24 @@ class TorchReceiver:
     from the first (full) publication. With infer='tp=N' and rank=r, the tensors of SGLang TP
     rank r (fused qkv_proj / gate_up_proj, vocabulary-padded embeddings; names and shapes from
     dte.TorchReceiver.shard_tensors(config, infer, rank)); config is then required.
+    With quantization='fp8-block' (docs/fp8.md), the tensors of TP rank r of an engine that
+    serves online FP8 (default infer tp=1), by the engine's names: each quantized linear weight
+    ('...qkv_proj.weight', o_proj, gate_up_proj, down_proj) as torch.float8_e4m3fn [out, in]
+    with its block scales '...weight_scale_inv' (torch.float32), and the tensors that stay BF16
+    (embeddings, lm_head, norms, biases) as torch.bfloat16 (TorchReceiver.allocate() makes
+    them). It applies the publications of a TorchPublisher(..., quantization=..., infer=...)
+    for the same TP size; after each, every code and scale is the engine's own quantization of
+    the trainer's BF16 weights, which the receiver checks against the sender's digest.
     A refused message raises a dte.Error subclass and changes nothing.
     """
 
-    def __init__(self, tensors: Mapping[str, object], config=None, infer=None, rank: int = 0):
+    def __init__(self, tensors: Mapping[str, object], config=None, infer=None, rank: int = 0,
+                 quantization: Optional[str] = None):
         self._tensors = dict(tensors)
+        self._quantization = None if quantization is None else str(quantization)
         self._topology = _infer(infer)
+        if self._quantization is not None and self._topology is None:
+            self._topology = (1, 1)
         self._rank = rank
         self._native = None
         self._config = None
@@ -519,15 +546,36 @@ class TorchReceiver:
             self._bind(_config_text(config))
 
     @staticmethod
-    def shard_tensors(config, infer, rank: int = 0) -> Dict[str, tuple]:
-        """The names and shapes of SGLang TP rank `rank`'s tensors (allocate them as BF16)."""
-        tp, ep = _infer(infer)
+    def shard_tensors(config, infer, rank: int = 0, quantization: Optional[str] = None) -> Dict[str, tuple]:
+        """The names and shapes of SGLang / vLLM TP rank `rank`'s tensors (BF16; with
+        quantization, see allocate() for each one's dtype)."""
+        return {name: shape for name, (shape, _) in
+                TorchReceiver._layout(config, infer, rank, quantization).items()}
+
+    @staticmethod
+    def allocate(config, infer=None, rank: int = 0, quantization: Optional[str] = None) -> dict:
+        """Zero-filled CPU tensors for TP rank `rank`, by name, in the dtypes the receiver takes."""
+        torch = _torch()
+        return {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in
+                TorchReceiver._layout(config, infer, rank, quantization).items()}
+
+    @staticmethod
+    def _layout(config, infer, rank, quantization) -> Dict[str, tuple]:
+        topology = _infer(infer) or (1, 1)
+        tp, ep = topology
         if not 0 <= rank < tp:
             raise InvalidArgument(f"rank {rank} is not a rank of tp={tp}")
-        return {name: tuple(shape) for name, shape in _native.shard_info(_config_text(config), tp, ep)}
+        config = _config_text(config)
+        if quantization is None:
+            return {name: (tuple(shape), _dtype("bf16")) for name, shape in _native.shard_info(config, tp, ep)}
+        return {name: (tuple(shape), _dtype(kind))
+                for name, shape, kind in _native.fp8_info(config, tp, ep, str(quantization))}
 
     def _bind(self, config: str):
         torch = _torch()
+        if self._quantization is not None:
+            self._bind_fp8(config)
+            return
         if self._topology is None:
             info = _native.model_info(config)
             ordered = _match_parameters(self._tensors, info, "TorchReceiver")
@@ -555,6 +603,31 @@ class TorchReceiver:
             self._native = _native.ShardReceiver(config, tp, ep, self._rank, self._ptrs, numel)
         self._config = config
 
+    def _bind_fp8(self, config: str):
+        tp, ep = self._topology
+        info = _native.fp8_info(config, tp, ep, self._quantization)
+        names = [n for n, _, _ in info]
+        ordered = _match_parameters(
+            self._tensors, {"names": names, "shapes": [s for _, s, _ in info],
+                            "structure": f"FP8 ({self._quantization}) tp={tp} rank {self._rank}"},
+            "TorchReceiver")
+        for (n, _, kind), t in zip(info, ordered):
+            if t.dtype != _dtype(kind):
+                raise InvalidArgument(f"TorchReceiver: tensor {n} is {t.dtype}; this FP8 receiver holds it as {_dtype(kind)}")
+            if t.device.type != "cpu" or not t.is_contiguous():
+                raise InvalidArgument(f"TorchReceiver: tensor {n} must be a contiguous CPU tensor")
+        lists = {"bf16": ([], []), "fp8": ([], []), "f32": ([], [])}
+        for (_, _, kind), t in zip(info, ordered):
+            lists[kind][0].append(t.data_ptr())
+            lists[kind][1].append(t.numel())
+        self._ordered = ordered
+        self._ptrs = [t.data_ptr() for t in ordered]
+        # report["touched"] holds serving-layout ids: their names
+        self._names = [n for n, _ in _native.shard_info(config, tp, ep)]
+        self._native = _native.Fp8Receiver(config, tp, ep, self._rank, self._quantization,
+                                           *lists["bf16"], *lists["fp8"], *lists["f32"])
+        self._config = config
+
     @property
     def version(self) -> Optional[int]:
         """The version held (None: nothing yet)."""
@@ -574,8 +647,8 @@ class TorchReceiver:
     def verify(self) -> bool:
         """Whether every tensor still holds exactly what dte wrote (recomputed from every
         element; HF receivers). A publication only notices changes to the elements it writes."""
-        if self._native is None or not isinstance(self._native, _native.HfReceiver):
-            raise InvalidArgument("verify() is for HF receivers that hold a publication")
+        if self._native is None or not isinstance(self._native, (_native.HfReceiver, _native.Fp8Receiver)):
+            raise InvalidArgument("verify() is for HF and FP8 receivers that hold a publication")
         return self._native.verify() == ""
 
     def apply(self, message: bytes) -> dict:
@@ -593,6 +666,15 @@ class TorchReceiver:
         report = self._native.apply(bytes(message) if isinstance(message, bytearray) else message)
         report["touched"] = [self._names[t] for t in report["touched"]]
         return report
+
+
+def _dtype(kind: str):
+    torch = _torch()
+    if kind == "fp8":
+        if not hasattr(torch, "float8_e4m3fn"):
+            raise UnsupportedError(f"FP8 receivers need torch.float8_e4m3fn (torch >= 2.1); this torch is {torch.__version__}")
+        return torch.float8_e4m3fn
+    return {"bf16": torch.bfloat16, "f32": torch.float32}[kind]
 
 
 def replica_matches(receivers, digest: Sequence[int], config=None, infer=None) -> bool:

@@ -25,12 +25,14 @@
 #include "dte/detect/detect.hpp"
 #include "dte/error.hpp"
 #include "dte/io/model_config.hpp"
+#include "dte/layout/fp8_grid.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/model.hpp"
 #include "dte/layout/serving.hpp"
 #include "dte/layout/topology.hpp"
 #include "dte/optim/adam.hpp"
 #include "dte/optim/sgd.hpp"
+#include "dte/publication/fp8_receiver.hpp"
 #include "dte/publication/publisher.hpp"
 #include "dte/publication/receiver.hpp"
 #include "dte/publication/storage.hpp"
@@ -116,9 +118,57 @@ nb::list shard_info(const std::string& config, std::int64_t tp, std::int64_t ep)
   return out;
 }
 
+// An FP8-serving TP rank's tensors: (name, shape, dtype) in the order Fp8Receiver takes them:
+// the tensors that stay BF16 ("bf16", ServingLayout order), then per quantized tensor its codes
+// ("fp8", [out, in]) and its block scales ("f32", named as vLLM names weight_scale_inv).
+nb::list fp8_info(const std::string& config, std::int64_t tp, std::int64_t ep,
+                  const std::string& recipe) {
+  const dte::layout::ModelSpec spec = dte::publication::named_by_structure(model_of(config));
+  const dte::layout::HfModel hf(spec);
+  const dte::layout::ServingLayout l(hf, {.tp = tp, .ep = ep, .replicas = 1});
+  if (recipe != dte::VllmBlockFp8::name) {
+    throw dte::unsupported("quantization=\"" + recipe + "\": dte covers \"" +
+                           std::string(dte::VllmBlockFp8::name) + "\" (docs/fp8.md)");
+  }
+  const dte::layout::Fp8Grid g(l, dte::VllmBlockFp8::block_rows, dte::VllmBlockFp8::block_cols);
+  nb::list out;
+  for (std::int64_t k = 0; k < l.size(); ++k) {
+    if (g.quantized(k)) continue;
+    std::vector<std::int64_t> shape(l[k].shape.begin(), l[k].shape.end());
+    out.append(nb::make_tuple(l.name(k), shape, "bf16"));
+  }
+  for (std::int64_t id : g.quantized_ids()) {
+    const dte::layout::BlockGrid& b = g.grid(id);
+    const std::string name = l.name(id);
+    out.append(nb::make_tuple(name, std::vector<std::int64_t>{b.rows, b.cols}, "fp8"));
+    out.append(nb::make_tuple(name + "_scale_inv",
+                              std::vector<std::int64_t>{b.grid_rows, b.grid_cols}, "f32"));
+  }
+  return out;
+}
+
+// The recipe's rule alone, for checking it against the engine's own function: the scale of a
+// block whose largest magnitude is amax, and the codes of the BF16 values `bf16` (little-endian
+// bit patterns) at that scale.
+nb::tuple fp8_recipe(const std::string& recipe, const nb::bytes& bf16, float amax) {
+  if (recipe != dte::VllmBlockFp8::name) {
+    throw dte::unsupported("fp8_recipe: no recipe \"" + recipe + "\"");
+  }
+  if (bf16.size() % 2 != 0) throw dte::invalid_argument("fp8_recipe: BF16 bytes of odd length");
+  const float scale = dte::VllmBlockFp8::scale(amax);
+  const float mult = dte::VllmBlockFp8::multiplier(scale);
+  std::string codes(bf16.size() / 2, '\0');
+  const auto* b = reinterpret_cast<const unsigned char*>(bf16.c_str());
+  for (std::size_t k = 0; k < codes.size(); ++k) {
+    const auto bits = static_cast<std::uint16_t>(b[2 * k] | (b[2 * k + 1] << 8));
+    codes[k] = static_cast<char>(dte::VllmBlockFp8::code(bits, mult));
+  }
+  return nb::make_tuple(scale, nb::bytes(codes.data(), codes.size()));
+}
+
 // The model of a message (its config), for a receiver that learns it from the first one.
 std::string message_config(const nb::bytes& msg) {
-  const auto e = dte::publication::envelope(view(msg), "publication");
+  const auto e = dte::publication::envelope(view(msg), "publication", "");
   return e.config.dump();
 }
 
@@ -145,6 +195,8 @@ nb::dict publish_dict(const dte::publication::PublishReport& r) {
   d["guard"] = r.guard;
   d["bytes"] = r.bytes;
   d["dense_bytes"] = r.dense_bytes;
+  d["fp8_codes"] = r.fp8_codes;
+  d["fp8_scales"] = r.fp8_scales;
   d["digest"] = r.digest;
   d["seconds"] = r.seconds;
   return d;
@@ -205,6 +257,9 @@ class PyPublisher {
   [[nodiscard]] std::uint64_t version() const { return p_->version(); }
   [[nodiscard]] std::vector<std::uint32_t> digest() const { return p_->digest(); }
   [[nodiscard]] nb::dict last() const { return publish_dict(p_->last()); }
+  void serve_fp8(const std::string& recipe, std::int64_t tp, std::int64_t ep) {
+    p_->serve_fp8(recipe, {.tp = tp, .ep = ep, .replicas = 1});
+  }
 
  private:
   std::unique_ptr<dte::python::AnyPublisher> p_;
@@ -294,6 +349,64 @@ class PyShardReceiver : public PyReceiver<dte::publication::ShardReceiver> {
                   const std::vector<std::uintptr_t>& ptrs, const std::vector<std::int64_t>& numel)
       : PyReceiver(model_of(config), dte::layout::InferTopology{.tp = tp, .ep = ep, .replicas = 1},
                    rank, spans(ptrs, numel)) {}
+};
+
+// An FP8-serving TP rank (Fp8ShardReceiver) over the tensors fp8_info lists, in its order.
+class PyFp8Receiver : public PyReceiver<dte::publication::Fp8ShardReceiver> {
+ public:
+  PyFp8Receiver(const std::string& config, std::int64_t tp, std::int64_t ep, std::int64_t rank,
+                const std::string& recipe, const std::vector<std::uintptr_t>& bf16,
+                const std::vector<std::int64_t>& bf16_numel,
+                const std::vector<std::uintptr_t>& code,
+                const std::vector<std::int64_t>& code_numel,
+                const std::vector<std::uintptr_t>& scale,
+                const std::vector<std::int64_t>& scale_numel)
+      : PyReceiver(model_of(config), dte::layout::InferTopology{.tp = tp, .ep = ep, .replicas = 1},
+                   rank, recipe, with_quantized(config, tp, ep, recipe, spans(bf16, bf16_numel)),
+                   fp8(code, code_numel, scale, scale_numel)) {}
+  [[nodiscard]] std::string verify() const {
+    nb::gil_scoped_release release;
+    return rx_.verify();
+  }
+  [[nodiscard]] std::vector<std::uint32_t> fp8_digest() const { return rx_.fp8_digest(); }
+
+ private:
+  // The BF16 views in ServingLayout order, an empty one in each quantized tensor's place.
+  static dte::ReceiverTensors with_quantized(const std::string& config, std::int64_t tp,
+                                             std::int64_t ep, const std::string& recipe,
+                                             dte::ReceiverTensors bf16) {
+    const dte::layout::ModelSpec spec = dte::publication::named_by_structure(model_of(config));
+    const dte::layout::HfModel hf(spec);
+    const dte::layout::ServingLayout l(hf, {.tp = tp, .ep = ep, .replicas = 1});
+    (void)recipe;
+    const dte::layout::Fp8Grid g(l, dte::VllmBlockFp8::block_rows, dte::VllmBlockFp8::block_cols);
+    dte::ReceiverTensors out;
+    std::size_t at = 0;
+    for (std::int64_t k = 0; k < l.size(); ++k) {
+      if (g.quantized(k)) {
+        out.emplace_back();
+      } else {
+        if (at == bf16.size()) throw dte::invalid_argument("Fp8Receiver: too few BF16 tensors");
+        out.push_back(bf16[at++]);
+      }
+    }
+    if (at != bf16.size()) throw dte::invalid_argument("Fp8Receiver: too many BF16 tensors");
+    return out;
+  }
+  static std::vector<dte::publication::Fp8Tensor> fp8(
+      const std::vector<std::uintptr_t>& code, const std::vector<std::int64_t>& code_numel,
+      const std::vector<std::uintptr_t>& scale, const std::vector<std::int64_t>& scale_numel) {
+    if (code.size() != code_numel.size() || scale.size() != scale_numel.size() ||
+        code.size() != scale.size()) {
+      throw dte::invalid_argument("Fp8Receiver: per-tensor lists of different lengths");
+    }
+    std::vector<dte::publication::Fp8Tensor> out;
+    for (std::size_t k = 0; k < code.size(); ++k) {
+      out.push_back({{address<std::uint8_t>(code[k]), static_cast<std::size_t>(code_numel[k])},
+                     {address<float>(scale[k]), static_cast<std::size_t>(scale_numel[k])}});
+    }
+    return out;
+  }
 };
 
 std::string check_replica(const std::vector<const PyShardReceiver*>& ranks,
@@ -415,6 +528,8 @@ NB_MODULE(_native, m) {
   m.def("model_info", &model_info, "config"_a);
   m.def("shard_info", &shard_info, "config"_a, "tp"_a, "ep"_a = 1);
   m.def("message_config", &message_config, "message"_a);
+  m.def("fp8_info", &fp8_info, "config"_a, "tp"_a, "ep"_a, "recipe"_a);
+  m.def("fp8_recipe", &fp8_recipe, "recipe"_a, "bf16"_a, "amax"_a);
   m.def("check_replica", &check_replica, "ranks"_a, "digest"_a);
   m.def("merge", &merge, "config"_a, "parts"_a);
   m.def("check_writers", &check_writers, "config"_a, "writers"_a);
@@ -440,7 +555,8 @@ NB_MODULE(_native, m) {
       .def("continue_after", &PyPublisher::continue_after)
       .def_prop_ro("version", &PyPublisher::version)
       .def("digest", &PyPublisher::digest)
-      .def("last", &PyPublisher::last);
+      .def("last", &PyPublisher::last)
+      .def("serve_fp8", &PyPublisher::serve_fp8, "recipe"_a, "tp"_a, "ep"_a);
   // Whether this build has the CUDA publisher (nvcc was found), and the devices it sees.
   m.attr("cuda_built") = DTE_PYTHON_CUDA_BUILT;
   m.def("cuda_devices", &dte::python::cuda_devices);
@@ -458,6 +574,17 @@ NB_MODULE(_native, m) {
       .def("apply", &PyShardReceiver::apply)
       .def_prop_ro("version", &PyShardReceiver::version)
       .def("digest", &PyShardReceiver::digest);
+  nb::class_<PyFp8Receiver>(m, "Fp8Receiver")
+      .def(
+          nb::init<const std::string&, std::int64_t, std::int64_t, std::int64_t, const std::string&,
+                   const std::vector<std::uintptr_t>&, const std::vector<std::int64_t>&,
+                   const std::vector<std::uintptr_t>&, const std::vector<std::int64_t>&,
+                   const std::vector<std::uintptr_t>&, const std::vector<std::int64_t>&>())
+      .def("apply", &PyFp8Receiver::apply)
+      .def("verify", &PyFp8Receiver::verify)
+      .def_prop_ro("version", &PyFp8Receiver::version)
+      .def("digest", &PyFp8Receiver::digest)
+      .def("fp8_digest", &PyFp8Receiver::fp8_digest);
   nb::class_<PyStorageWriter>(m, "StorageWriter")
       .def(nb::init<const std::string&, const std::string&>())
       .def("write", &PyStorageWriter::write);

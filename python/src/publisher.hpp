@@ -74,6 +74,8 @@ class AnyPublisher {
   [[nodiscard]] virtual std::uint64_t version() const = 0;
   [[nodiscard]] virtual std::vector<Digest> digest() const = 0;
   [[nodiscard]] virtual publication::PublishReport last() const = 0;
+  // From the next publication on (a full one): for the TP ranks of an engine serving `recipe`.
+  virtual void serve_fp8(const std::string& recipe, const layout::InferTopology& topology) = 0;
 };
 
 // The host's place for tensors: the host executor; zeros in host memory; no stream to wait for.
@@ -176,6 +178,15 @@ class Publisher final : public AnyPublisher {
   [[nodiscard]] std::uint64_t version() const override { return pub_.version(); }
   [[nodiscard]] std::vector<Digest> digest() const override { return pub_.digest(); }
   [[nodiscard]] publication::PublishReport last() const override { return pub_.last(); }
+  void serve_fp8(const std::string& recipe, const layout::InferTopology& topology) override {
+    whole_.assign(static_cast<std::size_t>(pub_.model().size()), -1);
+    for (std::size_t k = 0; k < pieces_.size(); ++k) {
+      const Piece& q = pieces_[k];
+      if (q.sender && q.index == 0 && q.length == pub_.model()[q.tensor].numel())
+        whole_[static_cast<std::size_t>(q.tensor)] = static_cast<std::int64_t>(k);
+    }
+    pub_.serve_fp8({recipe, topology});
+  }
 
  private:
   // What the frame reads: each piece where it lives.
@@ -187,6 +198,17 @@ class Publisher final : public AnyPublisher {
     [[nodiscard]] std::span<const float> segment_theta(std::int64_t, layout::BufferKind,
                                                        const layout::PlanSegment& s) const {
       const Piece& q = piece(s);
+      return {p->theta_[static_cast<std::size_t>(q.slot)] + q.offset,
+              static_cast<std::size_t>(q.length)};
+    }
+    // HF tensor t's weights whole (FP8 receivers): one piece of this writer holds it all.
+    [[nodiscard]] std::span<const float> hf_weights(std::int64_t t) const {
+      const std::int64_t k = p->whole_[static_cast<std::size_t>(t)];
+      if (k < 0) {
+        throw unsupported("dte: FP8 receivers need each HF tensor whole in one process; " +
+                          p->pub_.model().name(t) + " is split (docs/fp8.md)");
+      }
+      const Piece& q = p->pieces_[static_cast<std::size_t>(k)];
       return {p->theta_[static_cast<std::size_t>(q.slot)] + q.offset,
               static_cast<std::size_t>(q.length)};
     }
@@ -291,6 +313,7 @@ class Publisher final : public AnyPublisher {
   Memory memory_;
   Pub pub_;
   std::vector<Piece> pieces_;
+  std::vector<std::int64_t> whole_;     // FP8: per HF tensor, the piece holding it whole (-1: none)
   std::vector<std::int64_t> numel_;     // per slot
   std::vector<std::int64_t> group_of_;  // per slot (-1: frozen)
   bool decoupled_;

@@ -3,13 +3,14 @@
 // (bias 7), 3 mantissa bits, no infinities, one NaN pattern per sign (S.1111.111), largest finite
 // 448, smallest subnormal 2^-9.
 //
-// e4m3fn_from_float is torch's float -> float8_e4m3fn conversion (c10/util/Float8_e4m3fn.h,
-// fp8e4m3fn_from_fp32_value), which `tensor.to(torch.float8_e4m3fn)` runs on the CPU:
-// round-to-nearest-even; a magnitude at or above 480 (the first value past 448's rounding
-// interval), an infinity or a NaN becomes NaN (0x7F with the input's sign), never saturates;
-// subnormals are rounded by one FP32 addition, as torch does. An exhaustive test over all 2^32
-// inputs (tests/numeric) compares it with the nearest-value definition, and a Python test with
-// torch itself.
+// e4m3fn_from_float is torch 2.13's float -> float8_e4m3fn conversion
+// (torch/headeronly/util/Float8_e4m3fn.h, fp8e4m3fn_from_fp32_value), which
+// `tensor.to(torch.float8_e4m3fn)` runs on the CPU: round-to-nearest-even; a magnitude that
+// rounds past 448, and an infinity, saturate to +-448; a NaN becomes NaN (0x7F with its sign);
+// subnormals are rounded by one FP32 addition, as torch does. (torch releases before the
+// saturation gave NaN from 464 on; docs/fp8.md.) An exhaustive test (tests/numeric) compares it
+// with the nearest-value definition, and a Python test with the installed torch on every BF16
+// value at several scales.
 #pragma once
 
 #include <cstdint>
@@ -29,7 +30,7 @@ DTE_HOST_DEVICE inline std::uint8_t e4m3fn_from_float(float x) noexcept {
   u ^= sign;
   std::uint8_t r;
   if (u >= past_max) {
-    r = 0x7F;
+    r = u > 0x7F800000u ? 0x7F : 0x7E;  // NaN; a finite overflow or an infinity saturates
   } else if (u < (std::uint32_t{121} << 23)) {
     // below 2^-6, the smallest normal: the addition rounds the value onto the subnormal grid
     const std::uint32_t s = float_bits(bits_float(u) + bits_float(denorm_magic));
@@ -38,6 +39,7 @@ DTE_HOST_DEVICE inline std::uint8_t e4m3fn_from_float(float x) noexcept {
     const std::uint32_t odd = (u >> 20) & 1u;
     u += (static_cast<std::uint32_t>(7 - 127) << 23) + 0x7FFFFu + odd;
     r = static_cast<std::uint8_t>(u >> 20);
+    if (r == 0x7F) r = 0x7E;  // rounded up past 448: saturates
   }
   return static_cast<std::uint8_t>(r | (sign >> 24));
 }

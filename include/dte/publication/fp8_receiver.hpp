@@ -189,7 +189,7 @@ class Fp8ShardReceiver {
                          "\" for tp=" + std::to_string(s.tp) + " ep=" + std::to_string(s.ep) +
                          "; this receiver serves \"" + recipe_ +
                          "\" at tp=" + std::to_string(t.tp) + " ep=" + std::to_string(t.ep) +
-                         ": publish for this topology (TorchPublisher(..., fp8=...))");
+                         ": publish for this topology (TorchPublisher(..., quantization=..., infer=...))");
     }
     if (s.parts.size() != static_cast<std::size_t>(t.tp)) {
       throw format_error(who() + ": the publication has " + std::to_string(s.parts.size()) +

@@ -184,7 +184,7 @@ inline Bytes encode(const layout::ModelSpec& model, const storage::Manifest& man
 }
 
 // The framing and the header of a message, without the model: what a receiver that has not
-// learnt its model yet reads first.
+// learnt its model yet reads first. what: the format expected ("": any whole publication).
 struct Envelope {
   nlohmann::json config;
   nlohmann::json manifest;          // parsed (strictly), not yet read
@@ -214,6 +214,7 @@ inline Envelope envelope(std::span<const std::byte> bytes, const std::string& so
   const io::JsonReader r(source);
   if (!h.is_object()) r.fail("", "is not a JSON object");
   const std::string f = r.string(h, "format", "");
+  if (what.empty()) what = f == fp8_format ? fp8_format : format;  // (any whole publication)
   if (f == fp8_format && what != fp8_format) {
     throw format_error(source +
                        ": a publication for FP8 receivers (its quantized tensors are "
@@ -223,8 +224,8 @@ inline Envelope envelope(std::span<const std::byte> bytes, const std::string& so
   if (what == fp8_format && f == format) {
     throw format_error(source +
                        ": a BF16 publication, but this receiver serves FP8: publish "
-                       "with fp8= (TorchPublisher(..., fp8=...)) for the receivers' recipe and "
-                       "TP size");
+                       "for FP8 receivers (TorchPublisher(..., quantization=..., infer=...)) "
+                       "with the receivers' recipe and TP size");
   }
   if (what == fp8_format) {
     storage::detail::only_keys(r, h, {"format", "config", "manifest", "fp8"}, "");
