@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// FP8 receivers (docs/fp8.md): publication/fp8_sender.hpp, storage/fp8_part.hpp,
-// publication/fp8_receiver.hpp.
+// FP8 receivers (docs/fp8.md): publication/fp8_sender.hpp, receive/fp8_part.hpp,
+// receive/fp8_core.hpp, publication/fp8_receiver.hpp.
 //   * End to end: a trainer running AdamW publishes for the TP ranks of an online-FP8 engine
 //     (tp 1 and 2, K = 1 and 4, 30 publications); after every publication every rank's codes,
 //     scales and BF16 tensors equal the dense requantization of the trainer's weights.
@@ -175,16 +175,16 @@ struct Bench {
       return std::span<const float>(w[static_cast<std::size_t>(t)]);
     };
     const publication::Fp8Section s =
-        sender.finish(weights, version + 1, full ? no_version : version, 1, parts);
+        sender.finish(weights, version + 1, full ? no_version : version, parts);
     REQUIRE(parts.size() == 1);
-    const storage::Fp8Part p =
-        storage::decode_fp8_part(sender.grid(), VllmBlockFp8::name, parts[0], "test",
+    const receive::Fp8Part p =
+        receive::decode_fp8_part(sender.grid(), VllmBlockFp8::name, parts[0], "test",
                                  {version + 1, full ? no_version : version, 0});
     sender.commit();
     ++version;
     codes_sent = scales_sent = 0;
     const std::vector<std::int64_t>& ids = sender.grid().quantized_ids();
-    for (const storage::Fp8Writes& t : p.tensors) {
+    for (const receive::Fp8Writes& t : p.tensors) {
       const auto k =
           static_cast<std::size_t>(std::find(ids.begin(), ids.end(), t.tensor) - ids.begin());
       for (std::size_t i = 0; i < t.index.size(); ++i)
@@ -436,8 +436,8 @@ TEST_CASE("fp8: refusals leave the rank untouched") {
     // a code the delta overwrites, changed behind dte's back: the digest the rank would hold
     // is not the sender's, so the delta is refused and undone
     const publication::View v = publication::decode(pub.model(), v2, "v2", publication::fp8_format);
-    const storage::Fp8Part p =
-        storage::decode_fp8_part(ranks.grid, VllmBlockFp8::name, v.fp8_parts[1], "v2", {2, 1, 1});
+    const receive::Fp8Part p =
+        receive::decode_fp8_part(ranks.grid, VllmBlockFp8::name, v.fp8_parts[1], "v2", {2, 1, 1});
     REQUIRE(!p.tensors.empty());
     REQUIRE(!p.tensors[0].index.empty());
     const auto& ids = ranks.grid.quantized_ids();

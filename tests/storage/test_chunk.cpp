@@ -96,7 +96,7 @@ TEST_CASE("gap code: escapes at 255 and 65535, exact round trip, refusals name t
   const std::vector<std::uint32_t> idx = {0,   1,     255,      256,         511,        767,
                                           768, 66303, 1u << 20, 0xFFFFFFFEu, 0xFFFFFFFFu};
   std::vector<std::uint8_t> code;
-  storage::put_gaps(idx, code);
+  dte::put_gaps(idx, code);
   // gaps: 0, 0, 253, 0, 254, 255 (escaped to u16), 0, 65534 (u16), 982272 (u16 escape, u32)...
   CHECK(code[2] == 253);
   CHECK(code[4] == 254);
@@ -110,21 +110,21 @@ TEST_CASE("gap code: escapes at 255 and 65535, exact round trip, refusals name t
   CHECK(code[12] == 255);
   CHECK(code[13] == 0xFF);
   CHECK(code[14] == 0xFF);  // 65535: a u32 follows
-  CHECK(storage::get_gaps(code, idx.size(), 1ull << 32, "t") == idx);
+  CHECK(dte::get_gaps(code, idx.size(), 1ull << 32, "t") == idx);
   std::vector<std::uint8_t> bad;
-  CHECK_THROWS_AS(storage::put_gaps(std::vector<std::uint32_t>{5, 5}, bad), invalid_argument);
-  CHECK_THROWS_AS(storage::put_gaps(std::vector<std::uint32_t>{5, 4}, bad), invalid_argument);
-  CHECK_THROWS_WITH_AS(storage::get_gaps(code, idx.size(), 0xFFFFFFFFull, "t"),
+  CHECK_THROWS_AS(dte::put_gaps(std::vector<std::uint32_t>{5, 5}, bad), invalid_argument);
+  CHECK_THROWS_AS(dte::put_gaps(std::vector<std::uint32_t>{5, 4}, bad), invalid_argument);
+  CHECK_THROWS_WITH_AS(dte::get_gaps(code, idx.size(), 0xFFFFFFFFull, "t"),
                        doctest::Contains("outside the tensor"), format_error);
-  CHECK_THROWS_WITH_AS(storage::get_gaps(code, idx.size() - 1, 1ull << 32, "t"),
+  CHECK_THROWS_WITH_AS(dte::get_gaps(code, idx.size() - 1, 1ull << 32, "t"),
                        doctest::Contains("bytes follow the last"), format_error);
   const std::vector<std::uint8_t> cut(code.begin(), code.begin() + 7);  // inside a u16 escape
-  CHECK_THROWS_WITH_AS(storage::get_gaps(cut, 6, 1ull << 32, "t"),
+  CHECK_THROWS_WITH_AS(dte::get_gaps(cut, 6, 1ull << 32, "t"),
                        doctest::Contains("escaped but the stream ends"), format_error);
   const std::vector<std::uint8_t> cut32(code.begin(), code.begin() + 16);  // inside the u32
-  CHECK_THROWS_WITH_AS(storage::get_gaps(cut32, 9, 1ull << 32, "t"),
+  CHECK_THROWS_WITH_AS(dte::get_gaps(cut32, 9, 1ull << 32, "t"),
                        doctest::Contains("inside its 4 bytes"), format_error);
-  CHECK_THROWS_WITH_AS(storage::get_gaps(std::vector<std::uint8_t>{0, 0}, 3, 100, "t"),
+  CHECK_THROWS_WITH_AS(dte::get_gaps(std::vector<std::uint8_t>{0, 0}, 3, 100, "t"),
                        doctest::Contains("only 2 index bytes"), format_error);
 }
 
@@ -172,19 +172,19 @@ TEST_CASE("gap code: the eight-at-a-time decode equals one at a time, faults inc
       ++next;
     }
     std::vector<std::uint8_t> code;
-    storage::put_gaps(idx, code);
+    dte::put_gaps(idx, code);
     // A limit anywhere from below the first index to past the last.
     const std::uint64_t limit = trial % 3 == 0 ? next : 1 + rng() % (next + 8);
     const auto [want, fault] = reference(code, idx.size(), limit);
     fast_groups += idx.size() >= 8;
     if (fault.empty()) {
-      CHECK(storage::get_gaps(code, idx.size(), limit, "t") == want);
+      CHECK(dte::get_gaps(code, idx.size(), limit, "t") == want);
       CHECK(want == idx);
     } else {
       ++past;
       REQUIRE(fault.starts_with("past"));
       const std::string entry = "(entry " + fault.substr(5) + ")";
-      CHECK_THROWS_WITH_AS(storage::get_gaps(code, idx.size(), limit, "t"),
+      CHECK_THROWS_WITH_AS(dte::get_gaps(code, idx.size(), limit, "t"),
                            doctest::Contains(entry.c_str()), format_error);
     }
   }

@@ -25,25 +25,22 @@
 #include <vector>
 
 #include "dte/core/digest.hpp"
+#include "dte/detect/fp8.hpp"
 #include "dte/error.hpp"
 #include "dte/layout/fp8_grid.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/serving.hpp"
-#include "dte/publication/fp8_sender.hpp"
 #include "dte/publication/message.hpp"
 #include "dte/publication/receiver.hpp"
 #include "dte/receive/core.hpp"
+#include "dte/receive/fp8_core.hpp"
+#include "dte/receive/fp8_part.hpp"
 #include "dte/receive/route.hpp"
 #include "dte/receive/staged.hpp"
-#include "dte/storage/fp8_part.hpp"
 
 namespace dte::publication {
 
-// One quantized tensor of a rank, as the engine holds it.
-struct Fp8Tensor {
-  std::span<std::uint8_t> code;  // [rows, cols] E4M3FN codes
-  std::span<float> scale;        // [grid_rows, grid_cols] block scales
-};
+using receive::Fp8Tensor;
 
 class Fp8ShardReceiver {
  public:
@@ -60,24 +57,8 @@ class Fp8ShardReceiver {
         ts_(checked_rank(ts, topology)),
         recipe_(std::move(recipe)),
         core_(make_core(hf_, layout_, grid_, ts_)),
-        fp8_(std::move(fp8)),
-        digest_(grid_.quantized_ids().size(), 0) {
+        fp8_(grid_, "FP8 receiver " + std::to_string(ts_), std::move(fp8)) {
     core_.hold(std::move(bf16));
-    const std::vector<std::int64_t>& ids = grid_.quantized_ids();
-    if (fp8_.size() != ids.size()) {
-      throw invalid_argument(who() + ": given " + std::to_string(fp8_.size()) +
-                             " FP8 tensors, the layout quantizes " + std::to_string(ids.size()));
-    }
-    for (std::size_t k = 0; k < ids.size(); ++k) {
-      const layout::BlockGrid& g = grid_.grid(ids[k]);
-      if (fp8_[k].code.size() != static_cast<std::size_t>(g.numel()) ||
-          fp8_[k].scale.size() != static_cast<std::size_t>(g.blocks())) {
-        throw invalid_argument(who() + ": " + layout_.name(ids[k]) + " has " +
-                               std::to_string(fp8_[k].code.size()) + " codes and " +
-                               std::to_string(fp8_[k].scale.size()) + " scales, the layout " +
-                               std::to_string(g.numel()) + " and " + std::to_string(g.blocks()));
-      }
-    }
   }
 
   Fp8ShardReceiver(const Fp8ShardReceiver&) = delete;
@@ -91,23 +72,13 @@ class Fp8ShardReceiver {
   // Per canonical tensor, of this rank's BF16 part.
   [[nodiscard]] const std::vector<Digest>& digest() const noexcept { return core_.digest(); }
   // Per quantized tensor, of its codes and scales.
-  [[nodiscard]] const std::vector<Digest>& fp8_digest() const noexcept { return digest_; }
+  [[nodiscard]] const std::vector<Digest>& fp8_digest() const noexcept { return fp8_.digest(); }
 
   // The first quantized tensor whose codes or scales differ from what dte wrote ("" if none):
   // the digest recomputed from every element.
   [[nodiscard]] std::string verify() const {
     if (core_.version() == no_version) return {};
-    const std::vector<std::int64_t>& ids = grid_.quantized_ids();
-    for (std::size_t k = 0; k < ids.size(); ++k) {
-      const layout::BlockGrid& g = grid_.grid(ids[k]);
-      Digest d = 0;
-      for (std::size_t o = 0; o < fp8_[k].code.size(); ++o)
-        d += fp8_code_digest(static_cast<std::int64_t>(o), fp8_[k].code[o]);
-      for (std::size_t b = 0; b < fp8_[k].scale.size(); ++b)
-        d += fp8_scale_digest(g.numel(), static_cast<std::int64_t>(b), fp8_[k].scale[b]);
-      if (d != digest_[k]) return layout_.name(ids[k]);
-    }
-    return {};
+    return fp8_.verify();
   }
 
   ApplyReport apply(std::span<const std::byte> bytes) {
@@ -126,20 +97,21 @@ class Fp8ShardReceiver {
           router.route(t, index, bits, n);
         });
     if (!m) return rep;
-    const storage::Fp8Part part = storage::decode_fp8_part(
+    const receive::Fp8Part part = receive::decode_fp8_part(
         grid_, recipe_, v.fp8_parts[static_cast<std::size_t>(ts_)],
         "publication v" + std::to_string(m->version) + " FP8 part " + std::to_string(ts_),
         {m->version, m->base, static_cast<std::uint32_t>(ts_)});
     const bool full = m->anchor();
-    check_part(part, full);
+    const std::span<const receive::Fp8Part> parts(&part, 1);
+    fp8_.check(parts, full);
     core_.check(w);
     // (nothing written before this line)
-    rep.written = write_fp8(part, full, section.digest);
+    rep.written = fp8_.commit(parts, full, section.digest);
     core_.commit(w);
     rep.outcome = ApplyOutcome::committed;
     rep.written += w.size();
     rep.touched = w.tensors();
-    for (const storage::Fp8Writes& t : part.tensors)
+    for (const receive::Fp8Writes& t : part.tensors)
       rep.touched.push_back(static_cast<std::uint32_t>(t.tensor));
     std::sort(rep.touched.begin(), rep.touched.end());
     detail::release_if_full(scratch_, w);
@@ -185,108 +157,23 @@ class Fp8ShardReceiver {
   const Fp8Section::Part& check_section(const Fp8Section& s) const {
     const layout::InferTopology& t = layout_.topology();
     if (s.recipe != recipe_ || s.tp != t.tp || s.ep != t.ep) {
-      throw format_error(who() + ": the publication is quantized by \"" + s.recipe +
-                         "\" for tp=" + std::to_string(s.tp) + " ep=" + std::to_string(s.ep) +
-                         "; this receiver serves \"" + recipe_ +
-                         "\" at tp=" + std::to_string(t.tp) + " ep=" + std::to_string(t.ep) +
-                         ": publish for this topology (TorchPublisher(..., quantization=..., infer=...))");
+      throw format_error(
+          who() + ": the publication is quantized by \"" + s.recipe + "\" for tp=" +
+          std::to_string(s.tp) + " ep=" + std::to_string(s.ep) + "; this receiver serves \"" +
+          recipe_ + "\" at tp=" + std::to_string(t.tp) + " ep=" + std::to_string(t.ep) +
+          ": publish for this topology (TorchPublisher(..., quantization=..., infer=...))");
     }
     if (s.parts.size() != static_cast<std::size_t>(t.tp)) {
       throw format_error(who() + ": the publication has " + std::to_string(s.parts.size()) +
                          " FP8 parts for " + std::to_string(t.tp) + " ranks");
     }
     const Fp8Section::Part& p = s.parts[static_cast<std::size_t>(ts_)];
-    if (p.digest.size() != digest_.size()) {
+    if (p.digest.size() != fp8_.digest().size()) {
       throw format_error(who() + ": the publication's FP8 part has " +
                          std::to_string(p.digest.size()) + " digests, this rank quantizes " +
-                         std::to_string(digest_.size()) + " tensors");
+                         std::to_string(fp8_.digest().size()) + " tensors");
     }
     return p;
-  }
-
-  // Offsets and blocks ascend (the gap code) and lie in range (decode_fp8_part); a full
-  // publication writes each exactly once.
-  void check_part(const storage::Fp8Part& part, bool full) const {
-    if (!full) return;
-    const std::vector<std::int64_t>& ids = grid_.quantized_ids();
-    if (part.tensors.size() != ids.size()) {
-      throw protocol_error(who() + ": a full publication's FP8 part writes " +
-                           std::to_string(part.tensors.size()) + " of the " +
-                           std::to_string(ids.size()) + " quantized tensors");
-    }
-    for (const storage::Fp8Writes& t : part.tensors) {
-      const layout::BlockGrid& g = grid_.grid(t.tensor);
-      if (t.index.size() != static_cast<std::size_t>(g.numel()) ||
-          t.block.size() != static_cast<std::size_t>(g.blocks())) {
-        throw protocol_error(who() + ": a full publication writes " +
-                             std::to_string(t.index.size()) + " codes and " +
-                             std::to_string(t.block.size()) + " scales of " +
-                             layout_.name(t.tensor) + ", which has " + std::to_string(g.numel()) +
-                             " and " + std::to_string(g.blocks()));
-      }
-    }
-  }
-
-  std::size_t slot(std::int64_t id) const {
-    const std::vector<std::int64_t>& ids = grid_.quantized_ids();
-    return static_cast<std::size_t>(std::lower_bound(ids.begin(), ids.end(), id) - ids.begin());
-  }
-
-  // Writes the part, moving each tensor's digest; undoes everything and refuses unless every
-  // digest is then the sender's. Returns the writes.
-  std::uint64_t write_fp8(const storage::Fp8Part& part, bool full,
-                          const std::vector<Digest>& expected) {
-    std::vector<Digest> digest = digest_;
-    if (full) std::fill(digest.begin(), digest.end(), 0);
-    old_code_.clear();
-    old_scale_.clear();
-    std::uint64_t n = 0;
-    for (const storage::Fp8Writes& t : part.tensors) {
-      const std::size_t k = slot(t.tensor);
-      const std::int64_t numel = grid_.grid(t.tensor).numel();
-      Fp8Tensor& x = fp8_[k];
-      Digest& d = digest[k];
-      for (std::size_t i = 0; i < t.index.size(); ++i) {
-        std::uint8_t& c = x.code[t.index[i]];
-        old_code_.push_back(c);
-        if (!full) d -= fp8_code_digest(t.index[i], c);
-        c = t.code[i];
-        d += fp8_code_digest(t.index[i], c);
-      }
-      for (std::size_t i = 0; i < t.block.size(); ++i) {
-        float& s = x.scale[t.block[i]];
-        old_scale_.push_back(s);
-        if (!full) d -= fp8_scale_digest(numel, t.block[i], s);
-        s = t.scale[i];
-        d += fp8_scale_digest(numel, t.block[i], s);
-      }
-      n += t.index.size() + t.block.size();
-    }
-    for (std::size_t k = 0; k < digest.size(); ++k) {
-      if (digest[k] != expected[k]) {
-        undo(part);
-        throw protocol_error(
-            who() + ": after the publication, " + layout_.name(grid_.quantized_ids()[k]) +
-            " would not hold the sender's quantization of the trainer's weights (digest " +
-            storage::detail::hex(digest[k], 8) + ", the sender's " +
-            storage::detail::hex(expected[k], 8) +
-            "): its codes or scales were changed behind dte's back, or the message lost writes; "
-            "nothing was applied. Resynchronise with a full publication");
-      }
-    }
-    digest_ = std::move(digest);
-    return n;
-  }
-
-  void undo(const storage::Fp8Part& part) noexcept {
-    std::size_t c = 0, s = 0;
-    for (const storage::Fp8Writes& t : part.tensors) {
-      Fp8Tensor& x = fp8_[slot(t.tensor)];
-      for (std::uint32_t o : t.index)
-        x.code[o] = old_code_[c++];
-      for (std::uint32_t b : t.block)
-        x.scale[b] = old_scale_[s++];
-    }
   }
 
   layout::ModelSpec spec_;
@@ -296,12 +183,9 @@ class Fp8ShardReceiver {
   std::int64_t ts_;
   std::string recipe_;
   receive::Core core_;
-  std::vector<Fp8Tensor> fp8_;
-  std::vector<Digest> digest_;  // per quantized tensor
+  receive::Fp8Core fp8_;
   storage::ChunkScratch scratch_;
   receive::StagedWrites staged_;
-  std::vector<std::uint8_t> old_code_;  // what the FP8 writes overwrote (undo)
-  std::vector<float> old_scale_;
 };
 
 }  // namespace dte::publication

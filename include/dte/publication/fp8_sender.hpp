@@ -37,21 +37,15 @@
 #include "dte/pipeline/detect.hpp"
 #include "dte/pipeline/runs.hpp"
 #include "dte/publication/message.hpp"
+#include "dte/receive/fp8_core.hpp"
+#include "dte/receive/fp8_part.hpp"
 #include "dte/reconstruction.hpp"
-#include "dte/storage/fp8_part.hpp"
+#include "dte/storage/chunk.hpp"  // (checksum)
 
 namespace dte::publication {
 
-// The digest terms of a quantized tensor of `numel` elements: code c at local offset o, and the
-// two halves of block b's scale after the codes.
-inline Digest fp8_code_digest(std::int64_t o, std::uint8_t c) noexcept {
-  return element_digest(o, c);
-}
-inline Digest fp8_scale_digest(std::int64_t numel, std::int64_t b, float scale) noexcept {
-  const std::uint32_t u = float_bits(scale);
-  return element_digest(numel + 2 * b, static_cast<std::uint16_t>(u)) +
-         element_digest(numel + 2 * b + 1, static_cast<std::uint16_t>(u >> 16));
-}
+using receive::fp8_code_digest;
+using receive::fp8_scale_digest;
 
 // Where the sender reads HF tensor t's FP32 weights, whole, in canonical order.
 using HfWeights = std::function<std::span<const float>(std::int64_t)>;
@@ -73,7 +67,7 @@ class Fp8Stage {
   // HF tensor t's element `index` can have changed; prev: what its previous bits can be.
   virtual void changed(std::int64_t t, std::uint32_t index, const PreviousBits& prev) = 0;
   // The parts of the version, one per rank, and the fp8 section; pending until commit().
-  virtual Fp8Section finish(const HfWeights& weights, Version version, Version base, int zstd_level,
+  virtual Fp8Section finish(const HfWeights& weights, Version version, Version base,
                             std::vector<Bytes>& parts) = 0;
   virtual void commit() = 0;
   virtual void abort() noexcept = 0;
@@ -128,7 +122,7 @@ class Fp8Sender final : public Fp8Stage {
     });
   }
 
-  Fp8Section finish(const HfWeights& weights, Version version, Version base, int zstd_level,
+  Fp8Section finish(const HfWeights& weights, Version version, Version base,
                     std::vector<Bytes>& parts) override {
     Fp8Section s;
     s.recipe = Recipe::name;
@@ -137,19 +131,19 @@ class Fp8Sender final : public Fp8Stage {
     sent_ = {0, 0};
     const std::vector<std::int64_t>& ids = grid_.quantized_ids();
     for (std::int64_t ts = 0; ts < s.tp; ++ts) {
-      storage::Fp8Part part;
+      receive::Fp8Part part;
       part.header = {version, base, static_cast<std::uint32_t>(ts)};
       Fp8Section::Part q;
       q.rank = static_cast<std::uint32_t>(ts);
       for (std::int64_t id : ids) {
-        storage::Fp8Writes w;
+        receive::Fp8Writes w;
         w.tensor = id;
         q.digest.push_back(tensor(weights, ts, id, w));
         sent_.first += w.index.size();
         sent_.second += w.block.size();
         if (!w.index.empty() || !w.block.empty()) part.tensors.push_back(std::move(w));
       }
-      parts.push_back(storage::encode_fp8_part(grid_, Recipe::name, part, zstd_level));
+      parts.push_back(receive::encode_fp8_part(grid_, Recipe::name, part));
       q.bytes = parts.back().size();
       q.xxh3 = storage::checksum(parts.back());
       s.parts.push_back(std::move(q));
@@ -200,7 +194,7 @@ class Fp8Sender final : public Fp8Stage {
   }
 
   // The writes of tensor `id` on rank ts into w; returns the tensor's digest after them.
-  Digest tensor(const HfWeights& weights, std::int64_t ts, std::int64_t id, storage::Fp8Writes& w) {
+  Digest tensor(const HfWeights& weights, std::int64_t ts, std::int64_t id, receive::Fp8Writes& w) {
     const layout::BlockGrid& g = grid_.grid(id);
     const std::size_t k = slot(ts, id);
     State& st = state_[k];
@@ -248,7 +242,7 @@ class Fp8Sender final : public Fp8Stage {
   void block(const HfWeights& weights, std::int64_t ts, std::int64_t id, const layout::BlockGrid& g,
              std::size_t b, const State& st,
              std::span<const std::pair<std::uint32_t, std::uint32_t>> touched,
-             const std::vector<Flag>& flags, std::size_t k, storage::Fp8Writes& w,
+             const std::vector<Flag>& flags, std::size_t k, receive::Fp8Writes& w,
              std::vector<std::pair<std::uint32_t, std::uint8_t>>& codes) {
     const auto bi = static_cast<std::int64_t>(b);
     const std::int64_t r0 = g.row0(bi), c0 = g.col0(bi), nr = g.rows_of(bi), nc = g.cols_of(bi);

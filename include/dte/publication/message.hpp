@@ -53,7 +53,7 @@ inline constexpr std::string_view format = "dte-publication-v1";
 inline constexpr std::string_view part_format = "dte-publication-part-v1";
 // A publication for receivers that serve online-quantized FP8 (docs/fp8.md): the same framing;
 // its chunks carry the tensors that stay BF16, and its "fp8" section lists one FP8 part per
-// receiver rank (storage/fp8_part.hpp), which follow the chunks in the body.
+// receiver rank (receive/fp8_part.hpp), which follow the chunks in the body.
 inline constexpr std::string_view fp8_format = "dte-publication-fp8-v1";
 
 // The "fp8" section of an FP8 publication's header:

@@ -238,7 +238,7 @@ class Publisher {
             Fp8Sink<std::remove_reference_t<decltype(sink)>> split(sink, *fp8_, one_step);
             scan = sender_.scan(access, pass.mode, split);
             m.chunks = sink.written();
-            fp8 = fp8_->finish(whole_tensors(access), v, base, cfg_.zstd_level, fp8_parts);
+            fp8 = fp8_->finish(whole_tensors(access), v, base, fp8_parts);
             return;
           }
         }

@@ -56,7 +56,7 @@
 #include "dte/io/safetensors.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/storage/class_index.hpp"
-#include "dte/storage/gap_code.hpp"
+#include "dte/core/gap_code.hpp"
 #include "dte/storage/value_code.hpp"
 
 namespace dte::storage {

@@ -55,8 +55,8 @@
 #include <vector>
 
 #include "dte/config.hpp"
+#include "dte/core/gap_code.hpp"
 #include "dte/error.hpp"
-#include "dte/storage/gap_code.hpp"
 
 namespace dte::storage {
 
@@ -121,7 +121,8 @@ inline void put_varint(std::uint64_t v, std::vector<std::uint8_t>& out) {
 // The bits of the Rice codes of the gaps of `v` with parameter r.
 inline std::uint64_t rice_bits(std::span<const std::uint32_t> v, int r) {
   std::uint64_t bits = 0;
-  for_each_gap(v, [&](std::uint64_t g) { bits += (g >> r) + 1 + static_cast<unsigned>(r); });
+  dte::detail::for_each_gap(
+      v, [&](std::uint64_t g) { bits += (g >> r) + 1 + static_cast<unsigned>(r); });
   return bits;
 }
 
@@ -149,7 +150,7 @@ inline void put_rice(std::span<const std::uint32_t> v, int r, std::vector<std::u
       held -= 8;
     }
   };
-  for_each_gap(v, [&](std::uint64_t g) {
+  dte::detail::for_each_gap(v, [&](std::uint64_t g) {
     for (std::uint64_t q = g >> r; q > 0;) {
       const int n = q >= 32 ? 32 : static_cast<int>(q);
       put((std::uint64_t{1} << n) - 1, n);
@@ -188,11 +189,11 @@ class StreamReader {
       fail(std::to_string(count) + " " + what + " but only " + std::to_string(in_.size() - at_) +
            " bytes left (each takes at least one)");
     }
-    return take_gaps<std::uint64_t>(
-        in_, at_, count, limit, [&](GapFault f, std::uint64_t k, std::uint64_t v) {
-          if (f == GapFault::ends) {
+    return dte::detail::take_gaps<std::uint64_t>(
+        in_, at_, count, limit, [&](dte::detail::GapFault f, std::uint64_t k, std::uint64_t v) {
+          if (f == dte::detail::GapFault::ends) {
             fail(std::string("the stream ends before ") + what);
-          } else if (f == GapFault::escape_ends) {
+          } else if (f == dte::detail::GapFault::escape_ends) {
             fail(std::string("the stream ends inside an escaped gap of ") + what);
           }
           fail(std::string(what) + " entry " + std::to_string(k) + " is " + std::to_string(v) +
@@ -339,7 +340,7 @@ void put_class_index(const ClassedEntry& e, Base&& base, std::vector<std::uint8_
   }
   const auto put_positions = [&](std::span<const std::uint32_t> v) {
     put_varint(v.size(), out);
-    detail::for_each_gap(v, [&](std::uint64_t g) { detail::put_gap(g, out); });
+    dte::detail::for_each_gap(v, [&](std::uint64_t g) { dte::detail::put_gap(g, out); });
   };
   put_positions(exceptions);
   put_positions(e.skip);

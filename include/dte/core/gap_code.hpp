@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// The gap code of sorted indices, as storage chunks write them (docs/storage.md): the first index
+// The gap code of sorted indices, as storage chunks and FP8 parts write them (docs/storage.md,
+// docs/fp8.md): the first index
 // itself, then each index minus the previous minus one; a gap below 255 in one byte, below 65535
 // the byte 255 and two bytes, else 255, 0xFFFF and four bytes (little-endian). One writer
 // (put_gaps), one reader (detail::take_gaps: plain indices through get_gaps, the class index's
@@ -18,11 +19,11 @@
 
 #include "dte/error.hpp"
 
-namespace dte::storage {
+namespace dte {
 
 namespace detail {
 
-// One gap of the gap code (storage::put_gaps): below 255 one byte, below 65535 the byte 255 and
+// One gap of the gap code (put_gaps): below 255 one byte, below 65535 the byte 255 and
 // two bytes, else 255, 0xFFFF and four bytes (little-endian).
 inline void put_gap(std::uint64_t gap, std::vector<std::uint8_t>& out) {
   if (gap < 255) {
@@ -182,4 +183,4 @@ inline std::vector<std::uint32_t> get_gaps(std::span<const std::uint8_t> in, std
   return out;
 }
 
-}  // namespace dte::storage
+}  // namespace dte
