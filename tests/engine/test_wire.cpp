@@ -484,6 +484,23 @@ TEST_CASE("wire: the writer's group rule") {
   CHECK(v.kind() == MessageKind::full);
   CHECK(v.base() == no_version);
 
+  // An attachment (an FP8 part) follows the last group; the header's offset 28 gives its length.
+  {
+    wire::MessageWriter a;
+    a.begin();
+    a.add_entry(3, 7, 0x1234);
+    a.attach({std::byte{1}, std::byte{2}, std::byte{3}});
+    a.finish(MessageKind::delta, 5, 4);
+    Bytes m;
+    for (auto s : a.spans())
+      m.insert(m.end(), s.begin(), s.end());
+    const wire::MessageView va(m, "test");
+    CHECK(va.entry_count() == 1);
+    REQUIRE(va.attachment().size() == 3);
+    CHECK(va.attachment()[2] == std::byte{3});
+    CHECK(v.attachment().empty());
+  }
+
   // Misuse is refused.
   wire::MessageWriter bad;
   CHECK_THROWS_AS(bad.add(0, 0, 0), invalid_argument);
@@ -665,7 +682,8 @@ TEST_CASE("wire: malformed messages are refused with what is wrong") {
   says(with(4, 0), "unknown kind 0");
   says(with(4, 5), "unknown kind 5");
   says(with(6, 1), "nonzero reserved bytes in the message header");
-  says(with(29, 1), "nonzero reserved bytes in the message header");
+  says(with(29, 1), "an attachment of 256 bytes in a message of 98");
+  says(with(28, 4), "the groups run into the 4-byte attachment");
   says(with(24, 3), "group 2 (at byte 98): truncated group header (0 of 20 bytes; 3 groups");
   says(with(24, 1), "24 trailing bytes");
   {

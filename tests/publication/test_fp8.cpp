@@ -31,8 +31,8 @@
 #include "dte/publication/fp8_sender.hpp"
 #include "dte/publication/publisher.hpp"
 #include "dte/publication/receiver.hpp"
+#include "dte/sim/fp8_dense.hpp"
 #include "flat_adamw.hpp"
-#include "fp8_dense.hpp"
 
 using namespace dte;
 using publication::Bytes;
@@ -60,12 +60,12 @@ using Pub = publication::Publisher<AdamWInverse, BF16Detect>;
 struct Ranks {
   layout::ServingLayout layout;
   layout::Fp8Grid grid;
-  std::vector<std::unique_ptr<testing::Fp8RankTensors>> tensors;
+  std::vector<std::unique_ptr<sim::Fp8RankTensors>> tensors;
   std::vector<std::unique_ptr<publication::Fp8ShardReceiver>> rx;
   Ranks(const layout::HfModel& hf, const layout::ModelSpec& spec, std::int64_t tp)
       : layout(hf, layout::InferTopology{tp, 1, 1}), grid(layout, 128, 128) {
     for (std::int64_t ts = 0; ts < tp; ++ts) {
-      tensors.push_back(std::make_unique<testing::Fp8RankTensors>(grid));
+      tensors.push_back(std::make_unique<sim::Fp8RankTensors>(grid));
       rx.push_back(std::make_unique<publication::Fp8ShardReceiver>(
           spec, layout::InferTopology{tp, 1, 1}, ts, VllmBlockFp8::name,
           tensors.back()->bf16_views(), tensors.back()->fp8_views()));
@@ -97,9 +97,8 @@ TEST_CASE("fp8: every publication leaves each rank with the dense requantization
         for (std::int64_t ts = 0; ts < tp; ++ts) {
           CAPTURE(ts);
           REQUIRE(ranks.rx[static_cast<std::size_t>(ts)]->apply(msg).committed());
-          CHECK(testing::fp8_rank_differs(ranks.grid, ts,
-                                          *ranks.tensors[static_cast<std::size_t>(ts)],
-                                          weights_of(tr)) == "");
+          CHECK(sim::fp8_rank_differs(ranks.grid, ts, *ranks.tensors[static_cast<std::size_t>(ts)],
+                                      weights_of(tr)) == "");
           CHECK(ranks.rx[static_cast<std::size_t>(ts)]->verify() == "");
         }
       };
@@ -195,7 +194,7 @@ struct Bench {
       scales_sent += t.block.size();
     }
     for (std::size_t k = 0; k < ids.size(); ++k) {
-      const testing::DenseFp8 d = testing::dense_fp8(sender.grid(), 0, ids[k], weights);
+      const sim::DenseFp8 d = sim::dense_fp8(sender.grid(), 0, ids[k], weights);
       CAPTURE(sender.layout().name(ids[k]));
       REQUIRE(d.code == code[k]);
       for (std::size_t b = 0; b < d.scale.size(); ++b)
@@ -399,7 +398,7 @@ TEST_CASE("fp8: refusals leave the rank untouched") {
   tr.step();
   const Bytes v2 = publish(false);
   publication::Fp8ShardReceiver& rx = *ranks.rx[1];
-  testing::Fp8RankTensors& x = *ranks.tensors[1];
+  sim::Fp8RankTensors& x = *ranks.tensors[1];
   const auto untouched = [&](auto&& f, const char* what) {
     CAPTURE(what);
     const auto code = x.code;
@@ -452,7 +451,7 @@ TEST_CASE("fp8: refusals leave the rank untouched") {
   }
   REQUIRE(rx.apply(v2).committed());
   CHECK(rx.apply(v2).outcome == ApplyOutcome::current);
-  CHECK(testing::fp8_rank_differs(ranks.grid, 1, x, weights_of(tr)) == "");
+  CHECK(sim::fp8_rank_differs(ranks.grid, 1, x, weights_of(tr)) == "");
   // the sender refuses what it does not cover
   CHECK_THROWS_AS(pub.serve_fp8({"fp8-per-tensor", layout::InferTopology{1, 1, 1}}),
                   dte::unsupported);

@@ -27,17 +27,21 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
 #include "dte/concepts.hpp"
 #include "dte/core/message.hpp"
+#include "dte/detect/fp8.hpp"
+#include "dte/engine/fp8_stage.hpp"
 #include "dte/engine/receiver.hpp"
 #include "dte/engine/report.hpp"
 #include "dte/engine/schedule.hpp"
 #include "dte/engine/sender.hpp"
 #include "dte/engine/verify.hpp"
 #include "dte/exec/host.hpp"
+#include "dte/layout/fp8_grid.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/megatron.hpp"
 #include "dte/layout/plan.hpp"
@@ -59,6 +63,17 @@ using MegatronToHF = layout::MegatronToHF;
 struct EngineConfig {
   std::int64_t publish_every = 1;  // K
   bool verify = true;              // compare every replica's digest with the trainer's
+  // The receivers serve online FP8 by this recipe ("": BF16; "fp8-block": VllmBlockFp8,
+  // docs/fp8.md). Every rank of the world passes the same. Host executor, and a transport with
+  // max() (LoopbackTwoRound, MpiTwoRound, NcclTwoRound).
+  std::string fp8;
+};
+
+// An FP8 receiver rank's tensors: the BF16 ones in ServingLayout order (an empty view for each
+// quantized tensor) and each quantized tensor's codes and scales (Fp8Grid::quantized_ids order).
+struct Fp8ReceiverTensors {
+  ReceiverTensors bf16;
+  std::vector<receive::Fp8Tensor> fp8;
 };
 
 namespace detail {
@@ -109,6 +124,20 @@ class DeltaEngine {
     if (!transport.is_sender()) {
       receiver_.emplace(hf, receivers, transport.rank() - transport.senders(), transport.senders(),
                         std::move(device_tensors));
+    }
+  }
+
+  // A receiver rank that serves online FP8 (config.fp8): its BF16 and FP8 tensors.
+  DeltaEngine(const layout::HfModel& hf, const layout::TrainTopology& train,
+              const layout::ServingLayout& receivers, EngineConfig config, Transport& transport,
+              Fp8ReceiverTensors tensors, Exec exec = {})
+      : DeltaEngine(common{}, hf, train, receivers, config, transport, exec) {
+    if (!fp8_) {
+      throw invalid_argument("DeltaEngine: FP8 tensors given, but config.fp8 names no recipe");
+    }
+    if (!transport.is_sender()) {
+      receiver_.emplace(hf, receivers, transport.rank() - transport.senders(), transport.senders(),
+                        std::move(tensors.bf16), std::move(tensors.fp8));
     }
   }
 
@@ -195,9 +224,63 @@ class DeltaEngine {
     if (transport.is_sender()) {
       sender_.emplace(hf, train, receivers, transport.rank(), schedule_.keeps_mask(), exec);
     }
+    if (!config.fp8.empty()) serve_fp8(hf, train, receivers, config.fp8);
     for (std::int64_t r = 0; r < receivers.topology().ranks(); ++r) {
       dense_bytes_ +=
           2 * static_cast<std::uint64_t>(receivers.live_elements(r % receivers.topology().tp));
+    }
+  }
+
+  // FP8 receivers: the sizes every rank's reductions share, and the trainer ranks' FP8 stage.
+  struct Fp8World {
+    std::size_t blocks = 0, tensors = 0;  // per replica: blocks; quantized tensors per TP rank
+    std::vector<bool> quantized_hf;       // per canonical tensor: lands in quantized tensors
+    std::vector<std::string> names;       // per (TP rank, quantized tensor)
+  };
+  void serve_fp8(const layout::HfModel& hf, const layout::TrainTopology& train,
+                 const layout::ServingLayout& receivers, const std::string& recipe) {
+    if (recipe != VllmBlockFp8::name) {
+      throw unsupported("DeltaEngine: no FP8 recipe \"" + recipe + "\"; dte covers \"" +
+                        std::string(VllmBlockFp8::name) + "\" (docs/fp8.md)");
+    }
+    if constexpr (
+        !requires(Transport & t, std::span<std::uint64_t> v) { t.max(v, ""); } ||
+        !requires(Sender & s) { s.serve_fp8(hf, receivers, std::int64_t{}); }) {
+      throw unsupported(
+          "DeltaEngine: FP8 receivers need the host executor and a transport with max() "
+          "(LoopbackTwoRound, MpiTwoRound); the CUDA sender does not serve them yet");
+    } else {
+      const layout::Fp8Grid grid(receivers, VllmBlockFp8::block_rows, VllmBlockFp8::block_cols);
+      Fp8World w;
+      w.blocks = fp8_blocks(grid);
+      w.tensors = grid.quantized_ids().size();
+      for (std::int64_t t = 0; t < hf.size(); ++t)
+        w.quantized_hf.push_back(layout::Fp8Grid::quantized_hf(hf[t].kind));
+      for (std::int64_t ts = 0; ts < receivers.topology().tp; ++ts) {
+        for (std::int64_t id : grid.quantized_ids())
+          w.names.push_back(receivers.name(id) + " (TP rank " + std::to_string(ts) + ")");
+      }
+      fp8_ = std::move(w);
+      if (sender_) sender_->serve_fp8(hf, receivers, train.world());
+    }
+  }
+
+  // FP8: the block scales' reduction and each trainer rank's parts for version v on `base`; the
+  // trainer ranks' digest shares are summed with the BF16 digest.
+  template <class Access>
+  void scan_fp8(Access& access, Version v, Version base) {
+    std::vector<std::uint64_t> red(3 * fp8_->blocks, 0);
+    fp8_digest_.assign(static_cast<std::size_t>(recv_layout_->topology().tp) * fp8_->tensors, 0);
+    if constexpr (
+        requires(Transport & t, std::span<std::uint64_t> x) { t.max(x, ""); } &&
+        requires(Sender & s) { s.fp8(); }) {
+      const auto theta_of = [&](layout::BufferKind b) { return access.theta(sender_->rank(), b); };
+      if (sender_) red = sender_->fp8()->local(theta_of);
+      transport_->max(std::span<std::uint64_t>(red), "the FP8 block scales");
+      if (sender_) {
+        sender_->attach(sender_->fp8()->finish(red, theta_of, v, base, fp8_digest_));
+        std::tie(fp8_sent_[0], fp8_sent_[1]) = sender_->fp8()->sent();
+      }
     }
   }
 
@@ -208,7 +291,7 @@ class DeltaEngine {
     SyncReport rep;
     rep.version = v;
     rep.steps = pass.steps;
-    scan(access, pass.mode, rep);
+    scan(access, pass.mode, rep, v, pass.full() ? no_version : version_);
     version_ = v;
     schedule_.published();
     if (pass.clears_masks() && sender_) sender_->clear_masks();
@@ -226,7 +309,8 @@ class DeltaEngine {
 
   // 1. The staged pass on trainer ranks, then agreement and the trainer's digest.
   template <class Access>
-  void scan(Access& access, pipeline::ScanMode mode, SyncReport& rep) {
+  void scan(Access& access, pipeline::ScanMode mode, SyncReport& rep, Version v = 0,
+            Version base = no_version) {
     static_assert(trainer_access<std::remove_cvref_t<Access>, Inverse>,
                   "DeltaEngine: the accessor must provide theta(rank, buffer), "
                   "hyperparameters(rank, buffer, segment) and state(rank, buffer, segment) for "
@@ -252,12 +336,16 @@ class DeltaEngine {
           });
     refused_by_ = -1;
     if (mode == pipeline::ScanMode::mark) return;
+    fp8_sent_[0] = fp8_sent_[1] = 0;
+    if (fp8_) scan_fp8(access, v, base);
     struct Counts {
-      std::uint64_t scanned, changed, guard, entries;
-    } counts{res.scanned, res.changed, res.guard, res.entries};
+      std::uint64_t scanned, changed, guard, entries, fp8_codes, fp8_scales;
+    } counts{res.scanned, res.changed, res.guard, res.entries, fp8_sent_[0], fp8_sent_[1]};
     trainer_digest_.assign(static_cast<std::size_t>(hf_->size()), 0);
     if (sender_) trainer_digest_ = res.digest;
-    sum_fields(*transport_, "the digest sum", trainer_digest_, counts);
+    sum_fields(*transport_, "the digest sum", trainer_digest_, fp8_digest_, counts);
+    rep.fp8_codes = counts.fp8_codes;
+    rep.fp8_scales = counts.fp8_scales;
     rep.elements_scanned = counts.scanned;
     rep.changed = counts.changed;
     rep.guard = counts.guard;
@@ -295,7 +383,12 @@ class DeltaEngine {
     ApplyResult applied;
     std::uint64_t received = 0, received_held = 0;
     if (receiver_) {
-      applied = receiver_->apply(version_, inbox);
+      std::span<const Digest> expected;
+      if (fp8_) {
+        const auto ts = static_cast<std::size_t>(receiver_->rank() % recv_layout_->topology().tp);
+        expected = std::span<const Digest>(fp8_digest_).subspan(ts * fp8_->tensors, fp8_->tensors);
+      }
+      applied = receiver_->apply(version_, inbox, expected);
       for (const auto& [src, bytes] : inbox)
         received += bytes.capacity();
       received_held = received + inbox.size() * sizeof(wire::MessageView);
@@ -390,6 +483,10 @@ class DeltaEngine {
     };
     std::vector<bool> bad, resync;
     gather(bad, resync);
+    if (fp8_) {
+      verify_fp8(rep, bad, resync);
+      return;
+    }
     const bool any_bad = std::find(bad.begin(), bad.end(), true) != bad.end();
     const bool any_resync = std::find(resync.begin(), resync.end(), true) != resync.end();
     if (any_bad || any_resync) {
@@ -417,6 +514,49 @@ class DeltaEngine {
                    std::find(resync.begin(), resync.end(), true) == resync.end();
   }
 
+  // FP8 receivers: BF16 as above for the tensors that stay BF16; per replica, every quantized
+  // tensor's digest (codes and scales) must be the trainer ranks' summed share. No repair: a
+  // receiver that refused or a replica that differs is reported, and the next publication is
+  // full (the trainer ranks forget what the receivers hold).
+  void verify_fp8(SyncReport& rep, std::vector<bool>& bad, const std::vector<bool>& resync) {
+    const auto& it = recv_layout_->topology();
+    const std::size_t per_replica = fp8_digest_.size();
+    std::vector<Digest> held(static_cast<std::size_t>(it.replicas) * per_replica, 0);
+    if (receiver_) {
+      const auto r = static_cast<std::size_t>(receiver_->rank());
+      const std::size_t replica = r / static_cast<std::size_t>(it.tp);
+      const std::size_t ts = r % static_cast<std::size_t>(it.tp);
+      const std::vector<Digest>& d = receiver_->fp8_digest();
+      std::copy(
+          d.begin(), d.end(),
+          held.begin() + static_cast<std::ptrdiff_t>(replica * per_replica + ts * fp8_->tensors));
+    }
+    sum_fields(*transport_, "the FP8 digest verification", held);
+    for (std::size_t t = 0; t < bad.size(); ++t) {
+      if (fp8_->quantized_hf[t]) bad[t] = false;  // (held as FP8: checked below)
+    }
+    for (std::size_t r = 0; r < static_cast<std::size_t>(it.replicas); ++r) {
+      for (std::size_t k = 0; k < per_replica; ++k) {
+        if (held[r * per_replica + k] != fp8_digest_[k]) {
+          rep.fp8_mismatched.push_back(fp8_->names[k] + " (replica " + std::to_string(r) + ")");
+        }
+      }
+    }
+    for (std::size_t t = 0; t < bad.size(); ++t) {
+      if (bad[t]) rep.fp8_mismatched.push_back(hf_->name(static_cast<std::int64_t>(t)));
+    }
+    for (std::size_t d = 0; d < resync.size(); ++d) {
+      if (resync[d]) rep.resynced.push_back(static_cast<std::int64_t>(d));
+    }
+    rep.verified = rep.fp8_mismatched.empty() && rep.resynced.empty();
+    if (!rep.verified) {
+      schedule_.require_full();
+      if constexpr (requires(Sender & s) { s.fp8(); }) {
+        if (sender_) sender_->fp8()->forget();
+      }
+    }
+  }
+
   EngineConfig config_;
   PublicationSchedule schedule_;
   Version version_ = no_version;
@@ -426,6 +566,9 @@ class DeltaEngine {
   std::optional<Sender> sender_;
   std::optional<Receiver> receiver_;
   std::vector<Digest> trainer_digest_;
+  std::optional<Fp8World> fp8_;
+  std::vector<Digest> fp8_digest_;  // per (TP rank, quantized tensor): summed over trainer ranks
+  std::uint64_t fp8_sent_[2] = {0, 0};
   std::uint64_t dense_bytes_ = 0;
   double detect_s_ = 0;
   std::int64_t refused_by_ = -1;

@@ -36,11 +36,15 @@
 
 #include "dte/core/digest.hpp"
 #include "dte/core/payload.hpp"
+#include "dte/detect/fp8.hpp"
 #include "dte/engine/wire.hpp"
 #include "dte/error.hpp"
+#include "dte/layout/fp8_grid.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/serving.hpp"
 #include "dte/receive/core.hpp"
+#include "dte/receive/fp8_core.hpp"
+#include "dte/receive/fp8_part.hpp"
 #include "dte/receive/staged.hpp"
 
 namespace dte {
@@ -83,6 +87,23 @@ class Receiver {
     core_.hold(std::move(sink));
   }
 
+  // A rank that serves online FP8 (VllmBlockFp8; docs/fp8.md): bf16 as above with an empty view
+  // for each quantized tensor, fp8 its codes and scales (layout::Fp8Grid::quantized_ids order).
+  // Each message's attachment is that sender's FP8 part (engine/fp8_stage.hpp).
+  Receiver(const layout::HfModel& hf, const layout::ServingLayout& layout, std::int64_t rank,
+           std::int64_t senders, ReceiverTensors bf16, std::vector<receive::Fp8Tensor> fp8)
+      : Receiver(hf, layout, rank, senders,
+                 std::make_unique<layout::Fp8Grid>(layout, VllmBlockFp8::block_rows,
+                                                   VllmBlockFp8::block_cols)) {
+    core_.hold(std::move(bf16));
+    fp8_.emplace(*grid_, "receiver " + std::to_string(rank), std::move(fp8));
+  }
+
+  [[nodiscard]] bool serves_fp8() const noexcept { return fp8_.has_value(); }
+  // Per quantized tensor (FP8 ranks): the digest of its codes and scales.
+  [[nodiscard]] const std::vector<Digest>& fp8_digest() const { return fp8_.value().digest(); }
+  [[nodiscard]] std::string fp8_verify() const { return fp8_.value().verify(); }
+
   [[nodiscard]] std::int64_t rank() const noexcept { return core_.rank(); }
   [[nodiscard]] Version version() const noexcept { return core_.version(); }
   // Host tensors only (a sink's tensors are device memory: read them there).
@@ -100,24 +121,33 @@ class Receiver {
 
   // Applies one publication (or repair) of `version`: all messages addressed to this rank, in
   // any sender order, decoded into this rank's staged writes and committed by the core.
-  ApplyResult apply(Version version, const Inbox& inbox) {
+  // fp8_expected (FP8 ranks): per quantized tensor, the digest the senders say it holds after
+  // this publication (their shares summed); the publication is refused unless it does.
+  ApplyResult apply(Version version, const Inbox& inbox,
+                    std::span<const Digest> fp8_expected = {}) {
     ApplyResult res;
     res.context.rank = rank();
     res.context.version = version;
     res.context.held = core_.version();
     receive::StagedWrites w;
+    std::vector<receive::Fp8Part> parts;
     try {
-      if (!decode(version, inbox, res, w)) {
+      if (!decode(version, inbox, res, w, parts)) {
         res.outcome = ApplyOutcome::current;
         return res;
       }
       core_.check(w);
+      if (fp8_) {
+        fp8_->check(parts, w.full());
+        // (the FP8 writes are undone if the digest is not the senders')
+        res.written = fp8_->commit(parts, w.full(), fp8_expected);
+      }
     } catch (const error& e) {
       refused(e, res);
       return res;  // nothing touched
     }
     core_.commit(w);
-    res.written = w.size();
+    res.written += w.size();
     res.outcome = ApplyOutcome::committed;
     return res;
   }
@@ -137,24 +167,27 @@ class Receiver {
  private:
   // What both public constructors share: the layout's sizes, the checks on the arguments.
   Receiver(const layout::HfModel& hf, const layout::ServingLayout& layout, std::int64_t rank,
-           std::int64_t senders)
+           std::int64_t senders, std::unique_ptr<layout::Fp8Grid> grid = nullptr)
       : hf_(&hf),
         layout_(&layout),
         ts_(rank % layout.topology().tp),
         senders_(senders),
-        core_(make_core(hf, layout, rank)) {
+        grid_(std::move(grid)),
+        core_(make_core(hf, layout, rank, grid_.get())) {
     if (senders < 1) {
       throw invalid_argument("Receiver " + std::to_string(rank) + ": needs at least one sender");
     }
   }
 
+  // (grid: FP8 ranks hold no BF16 element of a quantized tensor: numel 0 there)
   static receive::Core make_core(const layout::HfModel& hf, const layout::ServingLayout& layout,
-                                 std::int64_t rank) {
+                                 std::int64_t rank, const layout::Fp8Grid* grid = nullptr) {
     const std::int64_t ts = rank % layout.topology().tp;
     std::vector<std::uint64_t> numel, live;
     for (std::int64_t k = 0; k < layout.size(); ++k) {
-      numel.push_back(static_cast<std::uint64_t>(layout[k].numel));
-      live.push_back(static_cast<std::uint64_t>(layout.live_end(ts, k)));
+      const bool q = grid != nullptr && grid->quantized(k);
+      numel.push_back(q ? 0 : static_cast<std::uint64_t>(layout[k].numel));
+      live.push_back(q ? 0 : static_cast<std::uint64_t>(layout.live_end(ts, k)));
     }
     return receive::Core(
         "receiver " + std::to_string(rank), rank, std::move(numel), std::move(live),
@@ -180,7 +213,8 @@ class Receiver {
   // The wire's rules (one message from every sender, one kind, replays ignored), the core's
   // version chain, then every accepted message's writes into w. False: a re-delivery of the
   // version held.
-  bool decode(Version version, const Inbox& inbox, ApplyResult& res, receive::StagedWrites& w) {
+  bool decode(Version version, const Inbox& inbox, ApplyResult& res, receive::StagedWrites& w,
+              std::vector<receive::Fp8Part>& parts) {
     const std::string me = "receiver " + std::to_string(rank());
     if (version == no_version) (void)core_.chain(MessageKind::full, version, no_version);
     std::vector<std::pair<std::int64_t, wire::MessageView>> accepted;  // (sender, message)
@@ -247,6 +281,13 @@ class Receiver {
     for (const auto& message : accepted) {
       const std::int64_t src = message.first;  // (clang < 16 cannot capture a binding)
       const wire::MessageView& m = message.second;
+      if (!m.attachment().empty()) {
+        const std::string from = me + ", FP8 part from sender " + std::to_string(src);
+        if (!fp8_) refuse(from + ": this receiver holds no FP8 tensors", src, version);
+        parts.push_back(
+            receive::decode_fp8_part(*grid_, VllmBlockFp8::name, m.attachment(), from,
+                                     {version, m.base(), static_cast<std::uint32_t>(ts_)}));
+      }
       m.for_each_entry([&](const DeltaEntry& e) {
         const Source c = source(e.tensor, e.index);
         w.push(e.tensor, c.tensor, e.index, e.bits, detail::digest_key(c.global), src);
@@ -303,7 +344,9 @@ class Receiver {
   const layout::ServingLayout* layout_;
   std::int64_t ts_;
   std::int64_t senders_;
+  std::unique_ptr<layout::Fp8Grid> grid_;  // FP8 ranks
   receive::Core core_;
+  std::optional<receive::Fp8Core> fp8_;
   // The run source() found last.
   std::uint32_t run_tensor_ = ~std::uint32_t{0};
   std::uint64_t run_start_ = 0, run_end_ = 0;

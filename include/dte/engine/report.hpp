@@ -29,6 +29,10 @@ struct SyncReport {
   std::vector<std::int64_t> resynced;   // receivers that refused and got a full resync
   std::vector<std::int64_t> repair_refused;  // receivers that refused their repair (unverified)
   std::uint64_t stale_messages = 0;          // replays of older versions, ignored by the receivers
+  // FP8 receivers (docs/fp8.md): codes and block scales sent, one replica's worth; and the
+  // quantized tensors whose digest a replica does not match (the next publication is full).
+  std::uint64_t fp8_codes = 0, fp8_scales = 0;
+  std::vector<std::string> fp8_mismatched;
   // Memory beyond the model (bytes), for the rank with the largest ratio to its payload: the
   // sender's messages and pipeline buffers (+ its dirty masks when K > 1), the receiver's
   // received messages.

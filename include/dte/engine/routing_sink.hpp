@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dte/concepts.hpp"
@@ -109,6 +110,10 @@ class RoutingSink {
     }
   }
 
+  // Receiver tensors this sink leaves out (skip[id]: FP8 receivers' quantized tensors, which
+  // engine/fp8_stage.hpp writes).
+  void skip(std::vector<bool> skip) { skip_ = std::move(skip); }
+
   [[nodiscard]] wire::Outbox& outbox() noexcept { return outbox_; }
   [[nodiscard]] const wire::Outbox& outbox() const noexcept { return outbox_; }
 
@@ -129,8 +134,10 @@ class RoutingSink {
   template <class Frame>
   void changed(const Frame&, layout::BufferKind, std::size_t, const typename Frame::Tile& s) {
     const pipeline::RoutedEntries& e = s.routed;
-    for (std::size_t i = 0; i < e.size(); ++i)
+    for (std::size_t i = 0; i < e.size(); ++i) {
+      if (!skip_.empty() && skip_[e.tensor[i]]) continue;
       outbox_[e.rank[i]].add(e.tensor[i], e.index[i], e.bits[i]);
+    }
   }
 
   // A full publication, in tile order: the tile's piece of every run to every copy.
@@ -140,6 +147,7 @@ class RoutingSink {
         b, t, s,
         [&](const pipeline::Run& run, std::int64_t at, std::span<const std::uint16_t> bits) {
           for (const pipeline::RunTarget& target : f.runs().targets(run)) {
+            if (!skip_.empty() && skip_[target.tensor]) continue;
             outbox_[target.rank].add_run(target.tensor,
                                          target.index + static_cast<std::uint32_t>(at), bits);
           }
@@ -160,6 +168,7 @@ class RoutingSink {
 
  private:
   wire::Outbox outbox_;  // one message per receiver
+  std::vector<bool> skip_;
 };
 
 }  // namespace dte

@@ -6,11 +6,15 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
+#include <span>
 #include <vector>
 
 #include "dte/concepts.hpp"
 #include "dte/core/message.hpp"
 #include "dte/core/payload.hpp"
+#include "dte/detect/fp8.hpp"
+#include "dte/engine/fp8_stage.hpp"
 #include "dte/engine/routing_sink.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/serving.hpp"
@@ -36,13 +40,35 @@ class HostSenderRank {
   [[nodiscard]] Frame& frame() noexcept { return frame_; }
   [[nodiscard]] RoutingSink& sink() noexcept { return sink_; }
 
+  // The receivers serve online FP8 (engine/fp8_stage.hpp): from the next publication on, the
+  // quantized tensors' elements go to the FP8 stage, not to the messages' groups.
+  using Fp8 = EngineFp8Stage<VllmBlockFp8, Detect>;
+  void serve_fp8(const layout::HfModel& hf, const layout::ServingLayout& receivers,
+                 std::int64_t trainers) {
+    fp8_.emplace(hf, receivers, frame_.runs(), frame_.rank(), trainers);
+    std::vector<bool> skip(static_cast<std::size_t>(receivers.size()), false);
+    for (std::int64_t id : fp8_->grid().quantized_ids())
+      skip[static_cast<std::size_t>(id)] = true;
+    sink_.skip(std::move(skip));
+  }
+  [[nodiscard]] Fp8* fp8() noexcept { return fp8_ ? &*fp8_ : nullptr; }
+
   // The pass over this rank's shard: mark ORs the step's changes into the dirty mask; the other
   // modes write this publication's messages. Throws when the optimizer state is refused.
   template <class Access>
   ScanResult scan(const Access& access, pipeline::ScanMode mode) {
     if (mode == pipeline::ScanMode::mark) return frame_.mark(access);
+    if (fp8_) {
+      // (the previous bits are known in one optimizer step's detect pass)
+      fp8_->begin(mode == pipeline::ScanMode::all);
+      Fp8EngineSink<RoutingSink, Fp8> split(sink_, *fp8_, mode == pipeline::ScanMode::detect);
+      return frame_.scan(access, mode, split);
+    }
     return frame_.scan(access, mode, sink_);
   }
+
+  // FP8: this publication's parts, one per TP rank, attached to each replica's message.
+  void attach(std::vector<std::vector<std::byte>> parts) { parts_ = std::move(parts); }
 
   // Starts empty messages (header only): for a no-op version.
   void begin_messages() { sink_.outbox().begin(); }
@@ -51,6 +77,14 @@ class HostSenderRank {
   // Closes this publication's messages and returns them, one per receiver (each at least a
   // header, so every receiver checks the version chain against every sender).
   std::vector<Payload> finish(MessageKind kind, Version version, Version base) {
+    if (!parts_.empty()) {
+      wire::Outbox& o = sink_.outbox();
+      for (std::size_t d = 0; d < o.size(); ++d) {
+        const std::vector<std::byte>& p = parts_[d % parts_.size()];
+        if (!p.empty()) o[d].attach(p);
+      }
+      parts_.clear();
+    }
     return sink_.outbox().finish(kind, version, base);
   }
   void release() { sink_.outbox().release(); }
@@ -79,6 +113,8 @@ class HostSenderRank {
  private:
   Frame frame_;
   RoutingSink sink_;
+  std::optional<Fp8> fp8_;
+  std::vector<std::vector<std::byte>> parts_;  // per TP rank (FP8)
 };
 
 namespace detail {

@@ -279,8 +279,19 @@ class MessageWriter {
     detail::store(h.data() + 8, version);
     detail::store(h.data() + 16, base);
     detail::store(h.data() + 24, groups_);
+    if (!attachment_.empty()) {
+      if (attachment_.size() > max_count) {
+        throw invalid_argument("dte::wire::MessageWriter: an attachment of 4 GiB or more");
+      }
+      detail::store(h.data() + 28, static_cast<std::uint32_t>(attachment_.size()));
+      put(attachment_.data(), attachment_.size());
+      attachment_.clear();
+    }
     patch(0, h.data(), h.size());
   }
+
+  // Bytes that follow the last group (an FP8 part: receive/fp8_part.hpp), written by finish().
+  void attach(std::vector<std::byte> bytes) { attachment_ = std::move(bytes); }
 
   [[nodiscard]] std::size_t size() const noexcept { return size_; }
   [[nodiscard]] std::size_t capacity() const noexcept { return chunks_.size() * chunk_bytes; }
@@ -300,6 +311,7 @@ class MessageWriter {
 
   // Frees everything.
   void clear() {
+    attachment_.clear();
     chunks_.clear();
     chunks_.shrink_to_fit();
     size_ = 0;
@@ -570,6 +582,7 @@ class MessageWriter {
   std::uint32_t pending_ = 0;
   std::array<std::uint16_t, dense_min_run> pending_bits_;
   std::array<std::byte, max_block_bytes> scratch_;
+  std::vector<std::byte> attachment_;
 };
 
 // A received message, validated in full on construction and then read in place: visiting its
@@ -589,9 +602,13 @@ class MessageView {
     }
     const unsigned kind = detail::byte_at(p + 4);
     if (kind < 1 || kind > 4) refuse(from, "unknown kind " + std::to_string(kind));
-    if (detail::byte_at(p + 5) | detail::byte_at(p + 6) | detail::byte_at(p + 7) |
-        detail::load<std::uint32_t>(p + 28)) {
+    if (detail::byte_at(p + 5) | detail::byte_at(p + 6) | detail::byte_at(p + 7)) {
       refuse(from, "nonzero reserved bytes in the message header");
+    }
+    const std::uint32_t attached = detail::load<std::uint32_t>(p + 28);
+    if (attached > size - header_bytes) {
+      refuse(from, "an attachment of " + std::to_string(attached) + " bytes in a message of " +
+                       std::to_string(size));
     }
     kind_ = static_cast<MessageKind>(kind);
     version_ = detail::load<Version>(p + 8);
@@ -725,8 +742,16 @@ class MessageView {
       }
       entries_ += h.count;
     }
-    if (at != size) refuse(from, std::to_string(size - at) + " trailing bytes");
+    if (at != size - attached) {
+      refuse(from, at > size - attached
+                       ? "the groups run into the " + std::to_string(attached) + "-byte attachment"
+                       : std::to_string(size - attached - at) + " trailing bytes");
+    }
+    attachment_ = in.subspan(size - attached);
   }
+
+  // The bytes after the last group (an FP8 part), empty if none.
+  [[nodiscard]] std::span<const std::byte> attachment() const noexcept { return attachment_; }
 
   [[nodiscard]] MessageKind kind() const noexcept { return kind_; }
   [[nodiscard]] Version version() const noexcept { return version_; }
@@ -821,6 +846,7 @@ class MessageView {
   }
 
   std::span<const std::byte> in_;
+  std::span<const std::byte> attachment_;
   MessageKind kind_ = MessageKind::delta;
   Version version_ = 0, base_ = 0;
   std::uint64_t entries_ = 0, runs_ = 0, run_elements_ = 0;

@@ -63,7 +63,7 @@ inline std::uint32_t fp8_recipe_id(std::string_view name) {
   throw unsupported("FP8 part: no recipe \"" + std::string(name) + "\" (docs/fp8.md)");
 }
 
-namespace detail {
+namespace part_io {
 
 template <class T>
 void put_le(std::vector<std::byte>& out, T v) {
@@ -72,9 +72,9 @@ void put_le(std::vector<std::byte>& out, T v) {
   std::memcpy(out.data() + at, &v, sizeof v);
 }
 
-class PartReader {
+class Reader {
  public:
-  PartReader(std::span<const std::byte> in, const std::string& source) : in_(in), source_(source) {}
+  Reader(std::span<const std::byte> in, const std::string& source) : in_(in), source_(source) {}
   template <class T>
   T get(const char* what) {
     T v;
@@ -102,17 +102,17 @@ inline std::span<const std::uint8_t> as_u8(std::span<const std::byte> b) noexcep
   return {reinterpret_cast<const std::uint8_t*>(b.data()), b.size()};
 }
 
-}  // namespace detail
+}  // namespace part_io
 
 inline std::vector<std::byte> encode_fp8_part(const layout::Fp8Grid& grid, std::string_view recipe,
                                               const Fp8Part& p) {
   std::vector<std::byte> out;
-  detail::put_le(out, fp8_part_magic);
-  detail::put_le(out, fp8_recipe_id(recipe));
-  detail::put_le(out, p.header.version);
-  detail::put_le(out, p.header.base);
-  detail::put_le(out, p.header.rank);
-  detail::put_le(out, static_cast<std::uint32_t>(p.tensors.size()));
+  part_io::put_le(out, fp8_part_magic);
+  part_io::put_le(out, fp8_recipe_id(recipe));
+  part_io::put_le(out, p.header.version);
+  part_io::put_le(out, p.header.base);
+  part_io::put_le(out, p.header.rank);
+  part_io::put_le(out, static_cast<std::uint32_t>(p.tensors.size()));
   std::vector<std::uint8_t> index, block;
   std::int64_t previous = -1;
   for (const Fp8Writes& t : p.tensors) {
@@ -126,11 +126,11 @@ inline std::vector<std::byte> encode_fp8_part(const layout::Fp8Grid& grid, std::
     block.clear();
     put_gaps(t.index, index);
     put_gaps(t.block, block);
-    detail::put_le(out, static_cast<std::uint32_t>(t.tensor));
-    detail::put_le(out, static_cast<std::uint32_t>(t.code.size()));
-    detail::put_le(out, static_cast<std::uint32_t>(t.scale.size()));
-    detail::put_le(out, static_cast<std::uint32_t>(index.size()));
-    detail::put_le(out, static_cast<std::uint32_t>(block.size()));
+    part_io::put_le(out, static_cast<std::uint32_t>(t.tensor));
+    part_io::put_le(out, static_cast<std::uint32_t>(t.code.size()));
+    part_io::put_le(out, static_cast<std::uint32_t>(t.scale.size()));
+    part_io::put_le(out, static_cast<std::uint32_t>(index.size()));
+    part_io::put_le(out, static_cast<std::uint32_t>(block.size()));
     const auto append = [&](const void* data, std::size_t n) {
       const std::size_t at = out.size();
       out.resize(at + n);
@@ -149,7 +149,7 @@ inline Fp8Part decode_fp8_part(const layout::Fp8Grid& grid, std::string_view rec
                                std::span<const std::byte> bytes, const std::string& source,
                                const Fp8PartHeader& expect) {
   const layout::ServingLayout& l = grid.layout();
-  detail::PartReader r(bytes, source);
+  part_io::Reader r(bytes, source);
   if (r.get<std::uint32_t>("the magic") != fp8_part_magic) {
     throw format_error(source + ": not an FP8 part (bad magic)");
   }
@@ -185,11 +185,11 @@ inline Fp8Part decode_fp8_part(const layout::Fp8Grid& grid, std::string_view rec
     const auto m = r.get<std::uint32_t>("a scale count");
     const auto index_bytes = r.get<std::uint32_t>("an index length");
     const auto block_bytes = r.get<std::uint32_t>("a block length");
-    w.index = get_gaps(detail::as_u8(r.take(index_bytes, "the index code")), n,
+    w.index = get_gaps(part_io::as_u8(r.take(index_bytes, "the index code")), n,
                        static_cast<std::uint64_t>(g.numel()), name + " offsets");
-    const auto codes = detail::as_u8(r.take(n, "the codes"));
+    const auto codes = part_io::as_u8(r.take(n, "the codes"));
     w.code.assign(codes.begin(), codes.end());
-    w.block = get_gaps(detail::as_u8(r.take(block_bytes, "the block code")), m,
+    w.block = get_gaps(part_io::as_u8(r.take(block_bytes, "the block code")), m,
                        static_cast<std::uint64_t>(g.blocks()), name + " blocks");
     const auto scales = r.take(std::uint64_t{4} * m, "the scales");
     w.scale.resize(m);

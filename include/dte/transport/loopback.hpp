@@ -197,6 +197,18 @@ class LoopbackTwoRound {
 
   // Element-wise sum over every rank; the result replaces v on every rank.
   void sum(std::span<std::uint64_t> v, const char* phase) {
+    reduce(v, phase, [](std::uint64_t a, std::uint64_t b) { return a + b; });
+  }
+  // Element-wise maximum over every rank (FP8 receivers' block scales: engine/fp8_stage.hpp).
+  void max(std::span<std::uint64_t> v, const char* phase) {
+    reduce(v, phase, [](std::uint64_t a, std::uint64_t b) { return a > b ? a : b; });
+  }
+
+  void checkpoint(const char* phase) { world_->rendezvous(rank_, phase); }
+
+ private:
+  template <class Op>
+  void reduce(std::span<std::uint64_t> v, const char* phase, Op op) {
     LoopbackWorld& w = *world_;
     std::vector<std::uint64_t> mine(v.begin(), v.end());
     {
@@ -209,19 +221,16 @@ class LoopbackTwoRound {
       for (const std::vector<std::uint64_t>* other : w.sums_) {
         if (other->size() != v.size()) {
           throw invalid_argument(std::string("LoopbackTwoRound: ranks disagree on the length of "
-                                             "the sum in ") +
+                                             "the reduction in ") +
                                  phase);
         }
-        total += (*other)[i];
+        total = op(total, (*other)[i]);
       }
       v[i] = total;
     }
     w.rendezvous(rank_, phase);  // every rank has read every vector
   }
 
-  void checkpoint(const char* phase) { world_->rendezvous(rank_, phase); }
-
- private:
   Inbox receive() {
     LoopbackWorld& w = *world_;
     const int d = rank_ - w.senders_;

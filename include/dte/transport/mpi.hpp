@@ -154,11 +154,15 @@ class BasicMpiTwoRound {
 
   // Element-wise sum over every rank, behind a checkpoint (so a deadline names the ranks that
   // did not arrive); a non-blocking allreduce waited on with the deadline.
-  void sum(std::span<std::uint64_t> v, const char* phase) {
+  void sum(std::span<std::uint64_t> v, const char* phase) { reduce(v, phase, MPI_SUM); }
+  // Element-wise maximum (FP8 receivers' block scales: engine/fp8_stage.hpp), the same way.
+  void max(std::span<std::uint64_t> v, const char* phase) { reduce(v, phase, MPI_MAX); }
+
+  void reduce(std::span<std::uint64_t> v, const char* phase, MPI_Op op) {
     checkpoint(phase);
     std::vector<MPI_Request> req(1, MPI_REQUEST_NULL);
-    DTE_MPI_TRY(MPI_Iallreduce(MPI_IN_PLACE, v.data(), static_cast<int>(v.size()), MPI_UINT64_T,
-                               MPI_SUM, comm_, req.data()));
+    DTE_MPI_TRY(MPI_Iallreduce(MPI_IN_PLACE, v.data(), static_cast<int>(v.size()), MPI_UINT64_T, op,
+                               comm_, req.data()));
     if (detail::mpi_wait_until(req, cfg_.deadline)) return;
     throw deadline_error("MpiTwoRound: rank " + std::to_string(rank_) + " waited " +
                          std::to_string(cfg_.deadline.count()) + " ms in " + phase +

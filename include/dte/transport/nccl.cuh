@@ -322,7 +322,11 @@ class NcclTwoRound {
   }
 
   // Element-wise sum over every rank of the world; the result replaces v on every rank.
-  void sum(std::span<std::uint64_t> v, const char* phase) {
+  void sum(std::span<std::uint64_t> v, const char* phase) { reduce(v, phase, ncclSum); }
+  // Element-wise maximum (FP8 receivers' block scales: engine/fp8_stage.hpp), the same way.
+  void max(std::span<std::uint64_t> v, const char* phase) { reduce(v, phase, ncclMax); }
+
+  void reduce(std::span<std::uint64_t> v, const char* phase, ncclRedOp_t op) {
     require_usable(phase);
     if (v.empty()) {
       checkpoint(phase);
@@ -330,7 +334,7 @@ class NcclTwoRound {
     }
     auto* d = reinterpret_cast<std::uint64_t*>(sums_.reserve(v.size_bytes()));
     DTE_CUDA_TRY(cudaMemcpyAsync(d, v.data(), v.size_bytes(), cudaMemcpyHostToDevice, stream_));
-    DTE_NCCL_TRY(ncclAllReduce(d, d, v.size(), ncclUint64, ncclSum, comm_, stream_));
+    DTE_NCCL_TRY(ncclAllReduce(d, d, v.size(), ncclUint64, op, comm_, stream_));
     DTE_CUDA_TRY(cudaMemcpyAsync(v.data(), d, v.size_bytes(), cudaMemcpyDeviceToHost, stream_));
     complete(phase, two_round::peer_range(0, senders_ + receivers_));
   }

@@ -2,17 +2,21 @@
 // LoopbackCluster: every rank of a publication in one process, for the demo, `dte simulate`,
 // the examples and the tests. A LoopbackWorld of S trainer ranks and R receiver ranks, one
 // DeltaEngine per rank, and the receivers' tensors, owned here as an inference engine would own
-// its own (zero-filled). Every call runs the same engine method on every rank, each on its own
-// thread, and returns the report (the same on every rank).
+// its own (zero-filled; with config.fp8, each quantized tensor's codes and scales instead of its
+// BF16 values: docs/fp8.md). Every call runs the same engine method on every rank, each on its
+// own thread, and returns the report (the same on every rank).
 #pragma once
 
 #include <cstdint>
 #include <exception>
 #include <memory>
+#include <optional>
 #include <vector>
 
+#include "dte/detect/fp8.hpp"
 #include "dte/engine/engine.hpp"
 #include "dte/exec/host.hpp"
+#include "dte/layout/fp8_grid.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/serving.hpp"
 #include "dte/layout/topology.hpp"
@@ -31,18 +35,55 @@ class LoopbackCluster {
     const int cores = HostExecutor(threads).threads();
     const int per_sender = std::max(1, cores / world_.senders());
     storage_.resize(static_cast<std::size_t>(world_.receivers()));
+    codes_.resize(storage_.size());
+    scales_.resize(storage_.size());
+    std::optional<layout::Fp8Grid> grid;
+    if (!config.fp8.empty())
+      grid.emplace(receivers, VllmBlockFp8::block_rows, VllmBlockFp8::block_cols);
     for (int r = 0; r < world_.size(); ++r) {
       ReceiverTensors views;
+      std::vector<receive::Fp8Tensor> fp8;
       if (r >= world_.senders()) {
-        auto& mine = storage_[static_cast<std::size_t>(r - world_.senders())];
+        const auto d = static_cast<std::size_t>(r - world_.senders());
+        auto& mine = storage_[d];
         for (std::int64_t k = 0; k < receivers.size(); ++k) {
-          mine.emplace_back(static_cast<std::size_t>(receivers[k].numel), std::uint16_t{0});
+          const bool q = grid && grid->quantized(k);
+          mine.emplace_back(q ? 0 : static_cast<std::size_t>(receivers[k].numel), std::uint16_t{0});
           views.emplace_back(mine.back());
         }
+        if (grid) {
+          for (std::int64_t id : grid->quantized_ids()) {
+            codes_[d].emplace_back(static_cast<std::size_t>(grid->grid(id).numel()), 0);
+            scales_[d].emplace_back(static_cast<std::size_t>(grid->grid(id).blocks()), 0.0f);
+            fp8.push_back({codes_[d].back(), scales_[d].back()});
+          }
+        }
       }
-      engines_.push_back(std::make_unique<Engine>(hf, train, receivers, config, world_.endpoint(r),
-                                                  std::move(views), HostExecutor(per_sender)));
+      if (grid) {
+        engines_.push_back(std::make_unique<Engine>(
+            hf, train, receivers, config, world_.endpoint(r),
+            Fp8ReceiverTensors{std::move(views), std::move(fp8)}, HostExecutor(per_sender)));
+      } else {
+        engines_.push_back(std::make_unique<Engine>(hf, train, receivers, config,
+                                                    world_.endpoint(r), std::move(views),
+                                                    HostExecutor(per_sender)));
+      }
     }
+  }
+
+  // FP8 receivers: receiver d's codes and scales of quantized tensor k (Fp8Grid order), and its
+  // BF16 tensor `id` (serving layout order; empty where quantized).
+  [[nodiscard]] const std::vector<std::uint8_t>& fp8_codes(std::int64_t d, std::size_t k) const {
+    return codes_[static_cast<std::size_t>(d)][k];
+  }
+  [[nodiscard]] const std::vector<float>& fp8_scales(std::int64_t d, std::size_t k) const {
+    return scales_[static_cast<std::size_t>(d)][k];
+  }
+  [[nodiscard]] std::vector<std::uint8_t>& fp8_codes(std::int64_t d, std::size_t k) {
+    return codes_[static_cast<std::size_t>(d)][k];
+  }
+  [[nodiscard]] const std::vector<std::uint16_t>& bf16(std::int64_t d, std::int64_t id) const {
+    return storage_[static_cast<std::size_t>(d)][static_cast<std::size_t>(id)];
   }
 
   template <class Access>
@@ -111,6 +152,8 @@ class LoopbackCluster {
 
   LoopbackWorld world_;
   std::vector<std::vector<std::vector<std::uint16_t>>> storage_;  // [receiver][tensor]
+  std::vector<std::vector<std::vector<std::uint8_t>>> codes_;     // [receiver][quantized tensor]
+  std::vector<std::vector<std::vector<float>>> scales_;
   std::vector<std::unique_ptr<Engine>> engines_;
 };
 

@@ -1,23 +1,25 @@
 // SPDX-License-Identifier: Apache-2.0
-// The dense reference for FP8 receivers: every quantized tensor of a TP rank requantized from the
-// trainer's weights, block by block (detect/fp8.hpp's recipe over layout/fp8_grid.hpp's grid),
-// and one rank's tensors as an Fp8ShardReceiver holds them. (The recipe itself is checked
-// against vLLM's own function in tests/python/on_vllm/test_fp8.py.)
+// The dense reference for FP8 receivers (docs/fp8.md): every quantized tensor of a TP rank
+// requantized from the trainer's weights, block by block (detect/fp8.hpp's recipe over
+// layout/fp8_grid.hpp's grid), and one rank's tensors as an FP8 receiver holds them. (The recipe
+// itself is checked against vLLM's own function in tests/python/on_vllm/test_fp8.py.)
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "dte/detect/fp8.hpp"
 #include "dte/layout/fp8_grid.hpp"
 #include "dte/layout/serving.hpp"
 #include "dte/numeric/round.hpp"
-#include "dte/publication/fp8_receiver.hpp"
+#include "dte/receive/core.hpp"
+#include "dte/receive/fp8_core.hpp"
 
-namespace dte::testing {
+namespace dte::sim {
 
 struct DenseFp8 {
   std::vector<std::uint8_t> code;
@@ -75,8 +77,8 @@ struct Fp8RankTensors {
       v.emplace_back(x);
     return v;
   }
-  [[nodiscard]] std::vector<publication::Fp8Tensor> fp8_views() {
-    std::vector<publication::Fp8Tensor> v;
+  [[nodiscard]] std::vector<receive::Fp8Tensor> fp8_views() {
+    std::vector<receive::Fp8Tensor> v;
     for (std::size_t k = 0; k < code.size(); ++k)
       v.push_back({code[k], scale[k]});
     return v;
@@ -108,4 +110,4 @@ inline std::string fp8_rank_differs(
   return {};
 }
 
-}  // namespace dte::testing
+}  // namespace dte::sim
