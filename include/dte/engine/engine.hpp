@@ -66,7 +66,7 @@ struct EngineConfig {
   // The receivers serve online FP8 by this recipe ("": BF16; "fp8-block": VllmBlockFp8,
   // docs/fp8.md). Every rank of the world passes the same. Host executor, and a transport with
   // max() (LoopbackTwoRound, MpiTwoRound, NcclTwoRound).
-  std::string fp8;
+  std::string fp8{};
 };
 
 // An FP8 receiver rank's tensors: the BF16 ones in ServingLayout order (an empty view for each

@@ -51,12 +51,12 @@
 #include <vector>
 
 #include "dte/bounds.hpp"
+#include "dte/core/gap_code.hpp"
 #include "dte/core/message.hpp"
 #include "dte/error.hpp"
 #include "dte/io/safetensors.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/storage/class_index.hpp"
-#include "dte/core/gap_code.hpp"
 #include "dte/storage/value_code.hpp"
 
 namespace dte::storage {
