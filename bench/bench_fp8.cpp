@@ -57,6 +57,7 @@ struct Row {
   std::uint64_t changed = 0, codes = 0, scales = 0;
   std::uint64_t fp8_bytes = 0, bf16_bytes = 0, dense_bytes = 0;
   double fp8_apply = 0, bf16_apply = 0, dense_apply = 0;  // seconds, summed
+  double fp8_publish = 0, bf16_publish = 0;               // the publishers' own, summed
   int n = 0;
 };
 
@@ -162,10 +163,12 @@ int main(int argc, char** argv) {
     return std::span<const float>(tr.theta).subspan(static_cast<std::size_t>(hf[t].base),
                                                     static_cast<std::size_t>(hf[t].numel()));
   };
+  // (step(): a publication after each optimizer step, so a delta knows it covers one step)
   const auto publish = [&](bool full) {
     const auto f = tr.flat();
     const publication::FlatAccess<AdamWInverse> access{&f, &hf};
-    return std::pair{fp8.publish(access, full), bf16.publish(access, full)};
+    if (full) return std::pair{fp8.publish(access, true), bf16.publish(access, true)};
+    return std::pair{*fp8.step(access), *bf16.step(access)};
   };
   {
     const auto [a, b] = publish(true);
@@ -220,6 +223,8 @@ int main(int argc, char** argv) {
       row.fp8_bytes += a.size();
       row.bf16_bytes += b.size();
       row.dense_bytes += dense_bytes;
+      row.fp8_publish += fp8.last().seconds;
+      row.bf16_publish += bf16.last().seconds;
       row.fp8_apply += seconds(t0, t1);
       row.bf16_apply += seconds(t1, t2);
       row.dense_apply += seconds(t3, t4);
@@ -236,7 +241,7 @@ int main(int argc, char** argv) {
               spec.name.c_str(), total, static_cast<unsigned long long>(quantized), publications);
   std::printf(
       "  density  codes sent  scales  | FP8 msg    BF16 delta  dense FP8  | FP8/dense  FP8/BF16 "
-      "| apply FP8   BF16 delta  dense requant\n");
+      "| apply FP8   BF16 delta  dense requant | publish FP8  BF16\n");
   std::ostringstream js;
   js << "{\"model\": \"" << spec.name << "\", \"elements\": " << hf.total()
      << ", \"quantized\": " << quantized << ", \"rows\": [";
@@ -245,17 +250,20 @@ int main(int argc, char** argv) {
     const double n = x.n;
     std::printf(
         "  %6.2f%%  %10.0f  %6.0f  | %9.0f  %10.0f  %10.0f | 1/%-7.0f  %7.3f  | %8.2f ms %8.2f ms "
-        "%8.2f ms\n",
+        "%8.2f ms | %8.1f ms %8.1f ms\n",
         100 * x.density, x.codes / n, x.scales / n, x.fp8_bytes / n, x.bf16_bytes / n,
         x.dense_bytes / n, static_cast<double>(x.dense_bytes) / static_cast<double>(x.fp8_bytes),
         static_cast<double>(x.fp8_bytes) / static_cast<double>(x.bf16_bytes), 1e3 * x.fp8_apply / n,
-        1e3 * x.bf16_apply / n, 1e3 * x.dense_apply / n);
+        1e3 * x.bf16_apply / n, 1e3 * x.dense_apply / n, 1e3 * x.fp8_publish / n,
+        1e3 * x.bf16_publish / n);
     js << (r ? ", " : "") << "{\"density\": " << x.density << ", \"changed\": " << x.changed / n
        << ", \"fp8_codes\": " << x.codes / n << ", \"fp8_scales\": " << x.scales / n
        << ", \"fp8_bytes\": " << x.fp8_bytes / n << ", \"bf16_bytes\": " << x.bf16_bytes / n
        << ", \"dense_fp8_bytes\": " << x.dense_bytes / n << ", \"fp8_apply_s\": " << x.fp8_apply / n
        << ", \"bf16_apply_s\": " << x.bf16_apply / n
-       << ", \"dense_requantize_s\": " << x.dense_apply / n << "}";
+       << ", \"dense_requantize_s\": " << x.dense_apply / n
+       << ", \"fp8_publish_s\": " << x.fp8_publish / n
+       << ", \"bf16_publish_s\": " << x.bf16_publish / n << "}";
   }
   js << "]}\n";
   if (!json.empty()) std::ofstream(json) << js.str();

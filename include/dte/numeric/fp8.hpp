@@ -22,26 +22,28 @@ namespace dte {
 
 inline constexpr float e4m3fn_max = 448.0f;
 
+// (Branch-free: every path is computed and one selected, so loops over it vectorise.)
 DTE_HOST_DEVICE inline std::uint8_t e4m3fn_from_float(float x) noexcept {
   constexpr std::uint32_t past_max = std::uint32_t{1087} << 20;  // 480.0f
   constexpr std::uint32_t denorm_magic = std::uint32_t{141} << 23;
+  constexpr std::uint32_t smallest_normal = std::uint32_t{121} << 23;  // 2^-6
   std::uint32_t u = float_bits(x);
   const std::uint32_t sign = u & 0x80000000u;
   u ^= sign;
-  std::uint8_t r;
-  if (u >= past_max) {
-    r = u > 0x7F800000u ? 0x7F : 0x7E;  // NaN; a finite overflow or an infinity saturates
-  } else if (u < (std::uint32_t{121} << 23)) {
-    // below 2^-6, the smallest normal: the addition rounds the value onto the subnormal grid
-    const std::uint32_t s = float_bits(bits_float(u) + bits_float(denorm_magic));
-    r = static_cast<std::uint8_t>(s - denorm_magic);
-  } else {
-    const std::uint32_t odd = (u >> 20) & 1u;
-    u += (static_cast<std::uint32_t>(7 - 127) << 23) + 0x7FFFFu + odd;
-    r = static_cast<std::uint8_t>(u >> 20);
-    if (r == 0x7F) r = 0x7E;  // rounded up past 448: saturates
-  }
-  return static_cast<std::uint8_t>(r | (sign >> 24));
+  // below 2^-6, the smallest normal: the addition rounds the value onto the subnormal grid
+  const std::uint32_t sub = float_bits(bits_float(u) + bits_float(denorm_magic)) - denorm_magic;
+  // a normal: the exponent rebiased, round to nearest even by adding 0x7FFFF + the kept lsb;
+  // rounded up past 448 it saturates
+  std::uint32_t normal =
+      (u + (static_cast<std::uint32_t>(7 - 127) << 23) + 0x7FFFFu + ((u >> 20) & 1u)) >> 20;
+  normal -= static_cast<std::uint32_t>(normal == 0x7Fu);
+  // from 480 on: NaN stays NaN (0x7F), a finite overflow or an infinity saturates (0x7E)
+  const std::uint32_t big = 0x7Eu + static_cast<std::uint32_t>(u > 0x7F800000u);
+  // (selected with masks: no branch)
+  const std::uint32_t is_big = 0u - static_cast<std::uint32_t>(u >= past_max);
+  const std::uint32_t is_sub = 0u - static_cast<std::uint32_t>(u < smallest_normal);
+  const std::uint32_t r = (big & is_big) | (~is_big & ((sub & is_sub) | (normal & ~is_sub)));
+  return static_cast<std::uint8_t>((r & 0xFFu) | (sign >> 24));
 }
 
 // The value of an E4M3FN code (NaN for S.1111.111).

@@ -19,14 +19,17 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "dte/concepts.hpp"
+#include "dte/config.hpp"
 #include "dte/core/digest.hpp"
 #include "dte/detect/fp8.hpp"
 #include "dte/error.hpp"
@@ -77,6 +80,9 @@ class Fp8Stage {
 
 template <fp8_recipe Recipe, change_detector Detect>
 class Fp8Sender final : public Fp8Stage {
+  static_assert(std::is_same_v<typename Detect::format, Bf16Format>,
+                "FP8 receivers quantize BF16 weights: the detector is BF16Detect");
+
  public:
   Fp8Sender(const layout::HfModel& hf, layout::InferTopology t)
       : hf_(&hf),
@@ -193,36 +199,73 @@ class Fp8Sender final : public Fp8Stage {
            static_cast<std::size_t>(slot_[static_cast<std::size_t>(id)]);
   }
 
+  // What one touched block sends, and its state after the version.
+  struct BlockResult {
+    std::vector<std::pair<std::uint32_t, std::uint8_t>> codes;  // (offset, code)
+    float scale = 0;
+    Digest digest = 0;
+    bool rescaled = false;
+  };
+  using FlagRef = std::pair<std::uint32_t, std::uint32_t>;  // (block, flag)
+
   // The writes of tensor `id` on rank ts into w; returns the tensor's digest after them.
+  // Touched blocks are independent: they run in parallel.
   Digest tensor(const HfWeights& weights, std::int64_t ts, std::int64_t id, receive::Fp8Writes& w) {
     const layout::BlockGrid& g = grid_.grid(id);
     const std::size_t k = slot(ts, id);
     State& st = state_[k];
-    std::vector<Flag>& flags = flags_[k];
-    // the touched blocks in order, each with its flags in offset order
-    std::vector<std::pair<std::uint32_t, std::uint32_t>> order;  // (block, flag)
+    const std::vector<Flag>& flags = flags_[k];
+    // the flags by block, in offset order within each
+    std::vector<FlagRef> order;
     order.reserve(flags.size());
     for (std::size_t i = 0; i < flags.size(); ++i) {
       order.emplace_back(static_cast<std::uint32_t>(g.block_of(flags[i].offset)),
                          static_cast<std::uint32_t>(i));
     }
-    std::sort(order.begin(), order.end(), [&](const auto& a, const auto& b) {
+    std::sort(order.begin(), order.end(), [&](const FlagRef& a, const FlagRef& b) {
       return a.first != b.first ? a.first < b.first
                                 : flags[a.second].offset < flags[b.second].offset;
     });
-    std::vector<std::pair<std::uint32_t, std::uint8_t>> codes;  // (offset, code)
-    std::size_t at = 0;
-    const std::size_t updates = pending_.size();
+    // the touched blocks: (block, its flags in order)
+    std::vector<std::pair<std::size_t, std::span<const FlagRef>>> touched;
     const auto blocks = static_cast<std::size_t>(g.blocks());
-    for (std::size_t b = 0; b < blocks; ++b) {
+    for (std::size_t b = 0, at = 0; b < blocks; ++b) {
       const std::size_t first = at;
       while (at < order.size() && order[at].first == b)
         ++at;
-      if (!full_ && first == at) continue;  // untouched: scale and codes as they are
-      block(weights, ts, id, g, b, st,
-            std::span<const std::pair<std::uint32_t, std::uint32_t>>(order).subspan(first,
-                                                                                    at - first),
-            flags, k, w, codes);
+      if (full_ || first != at) {
+        touched.emplace_back(b, std::span<const FlagRef>(order).subspan(first, at - first));
+      }
+    }
+    std::vector<BlockResult> out(touched.size());
+    std::vector<std::string> errors(touched.size());
+    const auto n = static_cast<std::int64_t>(touched.size());
+    DTE_OMP(parallel for schedule(dynamic, 8))
+    for (std::int64_t i = 0; i < n; ++i) {
+      const auto u = static_cast<std::size_t>(i);
+      try {
+        out[u] = block(weights, ts, id, g, touched[u].first, st, touched[u].second, flags);
+      } catch (const std::exception& e) {
+        errors[u] = e.what();
+      }
+    }
+    for (const std::string& e : errors) {
+      if (!e.empty()) throw invalid_argument(e);
+    }
+    Digest d = 0;
+    for (std::size_t b = 0; b < blocks; ++b)
+      d += st.digest[b];
+    std::vector<std::pair<std::uint32_t, std::uint8_t>> codes;
+    for (std::size_t u = 0; u < touched.size(); ++u) {
+      const std::size_t b = touched[u].first;
+      BlockResult& r = out[u];
+      codes.insert(codes.end(), r.codes.begin(), r.codes.end());
+      if (r.rescaled) {
+        w.block.push_back(static_cast<std::uint32_t>(b));
+        w.scale.push_back(r.scale);
+      }
+      d += r.digest - st.digest[b];
+      pending_.push_back({k, b, r.scale, r.digest});
     }
     std::sort(codes.begin(), codes.end());
     w.index.reserve(codes.size());
@@ -231,24 +274,24 @@ class Fp8Sender final : public Fp8Stage {
       w.index.push_back(o);
       w.code.push_back(c);
     }
-    Digest d = 0;
-    for (std::size_t b = 0; b < blocks; ++b)
-      d += st.digest[b];
-    for (std::size_t u = updates; u < pending_.size(); ++u)
-      d += pending_[u].digest - st.digest[pending_[u].block];
     return d;
   }
 
-  void block(const HfWeights& weights, std::int64_t ts, std::int64_t id, const layout::BlockGrid& g,
-             std::size_t b, const State& st,
-             std::span<const std::pair<std::uint32_t, std::uint32_t>> touched,
-             const std::vector<Flag>& flags, std::size_t k, receive::Fp8Writes& w,
-             std::vector<std::pair<std::uint32_t, std::uint8_t>>& codes) {
+  // One touched block. Its largest magnitude is the rounding of the largest FP32 magnitude
+  // (rounding is monotone and symmetric), found without rounding every element. Where the scale
+  // stays, only the flagged elements can change: each is sent unless its old code is known and
+  // equal, and the digest moves by the codes that changed; it is recomputed from the whole block
+  // only when an old code is not known. Where the scale changes (or everything is sent), every
+  // element is coded.
+  BlockResult block(const HfWeights& weights, std::int64_t ts, std::int64_t id,
+                    const layout::BlockGrid& g, std::size_t b, const State& st,
+                    std::span<const FlagRef> touched, const std::vector<Flag>& flags) const {
     const auto bi = static_cast<std::int64_t>(b);
     const std::int64_t r0 = g.row0(bi), c0 = g.col0(bi), nr = g.rows_of(bi), nc = g.cols_of(bi);
-    // the block's BF16 values, row by row (a row's columns are contiguous in its HF tensor)
-    bits_.resize(static_cast<std::size_t>(nr * nc));
-    float amax = 0.0f;
+    // each row's weights (a row's columns are contiguous in its HF tensor)
+    std::vector<const float*> row(static_cast<std::size_t>(nr));
+    // (the largest magnitude as bits: for numbers, |x|'s bits order as |x| does)
+    std::uint32_t top = 0;
     for (std::int64_t r = 0; r < nr; ++r) {
       const layout::Canonical c = layout_.source({ts, id, (r0 + r) * g.cols + c0});
       const std::span<const float> x = weights(c.tensor);
@@ -256,43 +299,76 @@ class Fp8Sender final : public Fp8Stage {
         throw invalid_argument("FP8 sender: the weights of " + hf_->name(c.tensor) +
                                " are not the whole tensor");
       }
-      std::uint16_t* out = bits_.data() + r * nc;
+      const float* p = x.data() + c.index;
+      row[static_cast<std::size_t>(r)] = p;
+      DTE_OMP(simd reduction(max : top))
       for (std::int64_t j = 0; j < nc; ++j) {
-        out[j] = Detect::store(x[static_cast<std::size_t>(c.index + j)]);
-        amax = std::max(amax, Recipe::magnitude(out[j]));
+        const std::uint32_t a = float_bits(p[j]) & 0x7FFFFFFFu;
+        top = a > top ? a : top;
       }
     }
-    const float scale = Recipe::scale(amax);
-    const float mult = Recipe::multiplier(scale);
+    BlockResult res;
+    res.scale = Recipe::scale(Recipe::magnitude(Detect::store(bits_float(top))));
+    res.rescaled = full_ || float_bits(res.scale) != float_bits(st.scale[b]);
+    const float mult = Recipe::multiplier(res.scale);
+    const auto value = [&](std::int64_t o) {
+      return Detect::store(row[static_cast<std::size_t>(o / g.cols - r0)][o % g.cols - c0]);
+    };
+    if (!res.rescaled) {
+      res.digest = st.digest[b];
+      bool unknown = false;
+      for (const FlagRef& f : touched) {
+        const Flag& x = flags[f.second];
+        const std::uint8_t code = Recipe::code(value(x.offset), mult);
+        std::uint8_t before = 0;
+        if (!Recipe::previous_code(x.prev, mult, before)) {
+          unknown = true;
+          res.codes.emplace_back(x.offset, code);
+        } else if (before != code) {
+          res.codes.emplace_back(x.offset, code);
+          res.digest += fp8_code_digest(x.offset, code) - fp8_code_digest(x.offset, before);
+        }
+      }
+      if (!unknown) return res;
+    }
+    // every element of the block, a row at a time: the codes and their digest (a loop the
+    // compiler vectorises: the key of consecutive offsets advances by a constant), then, where
+    // the scale changed, which codes to send
+    res.digest = fp8_scale_digest(g.numel(), bi, res.scale);
     const float old_mult = Recipe::multiplier(st.scale[b]);
-    const bool rescaled = full_ || float_bits(scale) != float_bits(st.scale[b]);
-    std::size_t f = 0;  // the next touched flag (offset order)
-    Digest digest = fp8_scale_digest(g.numel(), bi, scale);
+    std::uint8_t codes[Recipe::block_cols];
+    std::size_t f = 0;  // the next flag (offset order)
     for (std::int64_t r = 0; r < nr; ++r) {
+      const float* p = row[static_cast<std::size_t>(r)];
+      const std::int64_t o0 = (r0 + r) * g.cols + c0;
+      const std::uint32_t key = dte::detail::digest_key(o0);
+      Digest sum = 0;
+      DTE_OMP(simd reduction(+ : sum))
       for (std::int64_t j = 0; j < nc; ++j) {
-        const std::uint16_t v = bits_[static_cast<std::size_t>(r * nc + j)];
-        const std::uint8_t code = Recipe::code(v, mult);
-        const std::int64_t o = (r0 + r) * g.cols + c0 + j;
-        digest += fp8_code_digest(o, code);
+        // (the frame validated the weights: no NaN)
+        const std::uint8_t code = Recipe::code(Bf16Format::round_not_nan(p[j]), mult);
+        codes[j] = code;
+        sum += dte::detail::digest_mix(key + static_cast<std::uint32_t>(j) * 0x9E3779B1u, code);
+      }
+      res.digest += sum;
+      if (!res.rescaled) continue;  // (the flags were sent above)
+      for (std::int64_t j = 0; j < nc; ++j) {
+        const std::int64_t o = o0 + j;
         bool send;
         if (full_) {
           send = true;
         } else if (f < touched.size() && flags[touched[f].second].offset == o) {
           std::uint8_t before = 0;
           send = !Recipe::previous_code(flags[touched[f].second].prev, old_mult, before) ||
-                 before != code;
+                 before != codes[j];
           ++f;
         } else {
-          send = rescaled && Recipe::code(v, old_mult) != code;
+          send = Recipe::code(Detect::store(p[j]), old_mult) != codes[j];
         }
-        if (send) codes.emplace_back(static_cast<std::uint32_t>(o), code);
+        if (send) res.codes.emplace_back(static_cast<std::uint32_t>(o), codes[j]);
       }
     }
-    if (rescaled) {
-      w.block.push_back(static_cast<std::uint32_t>(b));
-      w.scale.push_back(scale);
-    }
-    pending_.push_back({k, b, scale, digest});
+    return res;
   }
 
   const layout::HfModel* hf_;
@@ -302,8 +378,7 @@ class Fp8Sender final : public Fp8Stage {
   std::vector<State> state_;              // per (rank, quantized tensor)
   std::vector<std::vector<Flag>> flags_;  // this publication's, per (rank, quantized tensor)
   std::vector<Update> pending_;
-  std::vector<std::uint16_t> bits_;  // one block's values
-  bool known_ = false;               // whether state_ holds what the ranks hold
+  bool known_ = false;  // whether state_ holds what the ranks hold
   bool full_ = true;
   std::pair<std::uint64_t, std::uint64_t> sent_{0, 0};
 };
