@@ -157,3 +157,22 @@ TEST_CASE("engine: a corrupted FP8 code is refused when a publication overwrites
   CHECK(rep.verified);
   CHECK(differs(recv, grid, cluster, trainer.canonical_weights(), hf) == "");
 }
+
+TEST_CASE(
+    "engine: an FP8 world refuses a receiver without FP8 tensors, and FP8 tensors without it") {
+  const layout::ModelSpec spec = fp8_model();
+  const layout::HfModel hf(spec);
+  const layout::TrainTopology train = layout::parse_train_topology("tp=1");
+  const layout::ServingLayout recv(hf, layout::parse_infer_topology("tp=1"));
+  LoopbackWorld world(1, 1);
+  EngineConfig fp8;
+  fp8.fp8 = VllmBlockFp8::name;
+  CHECK_THROWS_AS(Engine(hf, train, recv, fp8, world.endpoint(1), ReceiverTensors{}),
+                  invalid_argument);
+  CHECK_THROWS_AS(Engine(hf, train, recv, EngineConfig{}, world.endpoint(1), Fp8ReceiverTensors{}),
+                  invalid_argument);
+  EngineConfig other;
+  other.fp8 = "fp8-per-tensor";
+  CHECK_THROWS_AS(Engine(hf, train, recv, other, world.endpoint(0), ReceiverTensors{}),
+                  unsupported);
+}
