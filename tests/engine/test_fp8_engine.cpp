@@ -33,21 +33,6 @@ namespace {
 using Engine = DeltaEngine<AdamWInverse, BF16Detect, MegatronToHF, LoopbackTwoRound>;
 using Cluster = sim::LoopbackCluster<Engine>;
 
-// Qwen3-shaped, tensors of several 128 x 128 blocks that their edges cut.
-layout::ModelSpec fp8_model() {
-  layout::ModelSpec m = layout::model_preset("tiny-qwen3");
-  m.name = "fp8-test";
-  m.hidden = 160;
-  m.layers = 2;
-  m.heads = 4;
-  m.kv_heads = 2;
-  m.head_dim = 48;
-  m.intermediate = 272;
-  m.vocab = 200;
-  m.validate();
-  return m;
-}
-
 // The first receiver tensor that differs from the dense result ("" if none).
 std::string differs(const layout::ServingLayout& recv, const layout::Fp8Grid& grid,
                     const Cluster& c, const std::vector<float>& canonical,
@@ -84,7 +69,7 @@ std::string differs(const layout::ServingLayout& recv, const layout::Fp8Grid& gr
 }  // namespace
 
 TEST_CASE("engine: FP8 receivers hold the dense requantization after every publication") {
-  const layout::ModelSpec spec = fp8_model();
+  const layout::ModelSpec spec = sim::fp8_test_model();
   const layout::HfModel hf(spec);
   const layout::TrainTopology train = layout::parse_train_topology("tp=2,pp=2,dp=2");
   const layout::ServingLayout recv(hf, layout::parse_infer_topology("tp=2,replicas=2"));
@@ -124,7 +109,7 @@ TEST_CASE("engine: FP8 receivers hold the dense requantization after every publi
 }
 
 TEST_CASE("engine: a corrupted FP8 code is refused when a publication overwrites it") {
-  const layout::ModelSpec spec = fp8_model();
+  const layout::ModelSpec spec = sim::fp8_test_model();
   const layout::HfModel hf(spec);
   const layout::TrainTopology train = layout::parse_train_topology("tp=2,dp=2");
   const layout::ServingLayout recv(hf, layout::parse_infer_topology("tp=2"));
@@ -160,7 +145,7 @@ TEST_CASE("engine: a corrupted FP8 code is refused when a publication overwrites
 
 TEST_CASE(
     "engine: an FP8 world refuses a receiver without FP8 tensors, and FP8 tensors without it") {
-  const layout::ModelSpec spec = fp8_model();
+  const layout::ModelSpec spec = sim::fp8_test_model();
   const layout::HfModel hf(spec);
   const layout::TrainTopology train = layout::parse_train_topology("tp=1");
   const layout::ServingLayout recv(hf, layout::parse_infer_topology("tp=1"));

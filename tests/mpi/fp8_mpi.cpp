@@ -35,20 +35,6 @@ namespace {
 
 using Engine = DeltaEngine<AdamWInverse, BF16Detect, MegatronToHF, MpiTwoRound>;
 
-layout::ModelSpec fp8_model() {
-  layout::ModelSpec m = layout::model_preset("tiny-qwen3");
-  m.name = "fp8-test";
-  m.hidden = 160;
-  m.layers = 2;
-  m.heads = 4;
-  m.kv_heads = 2;
-  m.head_dim = 48;
-  m.intermediate = 272;
-  m.vocab = 200;
-  m.validate();
-  return m;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -57,7 +43,7 @@ int main(int argc, char** argv) {
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   int publications = 0, failures = 0;
   try {
-    const layout::ModelSpec spec = fp8_model();
+    const layout::ModelSpec spec = sim::fp8_test_model();
     const layout::HfModel hf(spec);
     const layout::TrainTopology train = layout::parse_train_topology("tp=2,dp=2");
     const layout::ServingLayout recv(hf, layout::parse_infer_topology("tp=2"));

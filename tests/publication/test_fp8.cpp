@@ -39,22 +39,6 @@ using publication::Bytes;
 
 namespace {
 
-// Qwen3-shaped, with tensors of several 128 x 128 blocks that the tensor's edge cuts (qkv
-// 384 x 160 at tp 1, gate_up 544 x 160, down 160 x 272).
-layout::ModelSpec fp8_model() {
-  layout::ModelSpec m = layout::model_preset("tiny-qwen3");
-  m.name = "fp8-test";
-  m.hidden = 160;
-  m.layers = 2;
-  m.heads = 4;
-  m.kv_heads = 2;
-  m.head_dim = 48;
-  m.intermediate = 272;
-  m.vocab = 200;
-  m.validate();
-  return m;
-}
-
 using Pub = publication::Publisher<AdamWInverse, BF16Detect>;
 
 struct Ranks {
@@ -83,7 +67,7 @@ std::function<std::span<const float>(std::int64_t)> weights_of(const testing::Fl
 }  // namespace
 
 TEST_CASE("fp8: every publication leaves each rank with the dense requantization") {
-  const layout::ModelSpec spec = fp8_model();
+  const layout::ModelSpec spec = sim::fp8_test_model();
   for (const std::int64_t tp : {1, 2}) {
     for (const std::int64_t K : {1, 4}) {
       CAPTURE(tp);
@@ -133,7 +117,7 @@ namespace {
 // The FP8 sender alone over weights set by hand, its parts applied to one rank's arrays: the
 // rule element by element.
 struct Bench {
-  layout::ModelSpec spec = fp8_model();
+  layout::ModelSpec spec = sim::fp8_test_model();
   layout::HfModel hf{spec};
   publication::Fp8Sender<VllmBlockFp8, BF16Detect> sender{hf, layout::InferTopology{1, 1, 1}};
   std::vector<std::vector<float>> w;  // per HF tensor
@@ -384,7 +368,7 @@ TEST_CASE_FIXTURE(Bench, "fp8: the sender's rule on adversarial blocks") {
 }
 
 TEST_CASE("fp8: refusals leave the rank untouched") {
-  const layout::ModelSpec spec = fp8_model();
+  const layout::ModelSpec spec = sim::fp8_test_model();
   testing::FlatAdamW tr(spec);
   tr.lr = 2e-5;
   Pub pub(spec);

@@ -68,6 +68,9 @@ struct InferTopology {
 
   [[nodiscard]] std::int64_t moe_tp() const noexcept { return tp / ep; }  // Ms
   [[nodiscard]] std::int64_t ranks() const noexcept { return tp * replicas; }
+  // One replica of this topology (what a receiver of one TP rank, or a sender that serves one
+  // replica's ranks, lays out).
+  [[nodiscard]] InferTopology one_replica() const noexcept { return {tp, ep, 1}; }
   // SGLang/vLLM pad the vocabulary to a multiple of 64 and split that evenly.
   [[nodiscard]] static std::int64_t padded_vocab(std::int64_t vocab) noexcept {
     return (vocab + 63) / 64 * 64;

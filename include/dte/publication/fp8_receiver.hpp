@@ -52,9 +52,9 @@ class Fp8ShardReceiver {
                    std::vector<Fp8Tensor> fp8)
       : spec_(named_by_structure(model)),
         hf_(spec_),
-        layout_(hf_, one_replica(topology)),
+        layout_(hf_, topology.one_replica()),
         grid_(layout_, block_of(recipe).first, block_of(recipe).second),
-        ts_(checked_rank(ts, topology)),
+        ts_(detail::checked_rank(ts, topology, "Fp8ShardReceiver")),
         recipe_(std::move(recipe)),
         core_(make_core(hf_, layout_, grid_, ts_)),
         fp8_(grid_, "FP8 receiver " + std::to_string(ts_), std::move(fp8)) {
@@ -121,17 +121,6 @@ class Fp8ShardReceiver {
   }
 
  private:
-  static layout::InferTopology one_replica(layout::InferTopology t) {
-    t.replicas = 1;
-    return t;
-  }
-  static std::int64_t checked_rank(std::int64_t ts, const layout::InferTopology& t) {
-    if (ts < 0 || ts >= t.tp) {
-      throw invalid_argument("Fp8ShardReceiver: TP rank " + std::to_string(ts) +
-                             " is not a rank of tp=" + std::to_string(t.tp));
-    }
-    return ts;
-  }
   static std::pair<std::int64_t, std::int64_t> block_of(const std::string& recipe) {
     if (recipe == VllmBlockFp8::name) return {VllmBlockFp8::block_rows, VllmBlockFp8::block_cols};
     throw unsupported("Fp8ShardReceiver: no recipe \"" + recipe + "\"; dte covers \"" +

@@ -86,7 +86,7 @@ class Fp8Sender final : public Fp8Stage {
  public:
   Fp8Sender(const layout::HfModel& hf, layout::InferTopology t)
       : hf_(&hf),
-        layout_(hf, one_replica(t)),
+        layout_(hf, t.one_replica()),
         grid_(layout_, Recipe::block_rows, Recipe::block_cols) {
     const auto ranks = static_cast<std::size_t>(layout_.topology().tp);
     const auto ids = grid_.quantized_ids().size();
@@ -188,11 +188,6 @@ class Fp8Sender final : public Fp8Stage {
     float scale;
     Digest digest;
   };
-
-  static layout::InferTopology one_replica(layout::InferTopology t) {
-    t.replicas = 1;
-    return t;
-  }
 
   [[nodiscard]] std::size_t slot(std::int64_t ts, std::int64_t id) const {
     return static_cast<std::size_t>(ts) * grid_.quantized_ids().size() +

@@ -121,6 +121,15 @@ std::optional<storage::Manifest> stage(const layout::HfModel& hf, View& v, std::
   return std::move(v.manifest);
 }
 
+// A TP rank of topology t, or invalid_argument naming `who`.
+inline std::int64_t checked_rank(std::int64_t ts, const layout::InferTopology& t, const char* who) {
+  if (ts < 0 || ts >= t.tp) {
+    throw invalid_argument(std::string(who) + ": TP rank " + std::to_string(ts) +
+                           " is not a rank of tp=" + std::to_string(t.tp));
+  }
+  return ts;
+}
+
 // After a full publication the staging holds the whole model: let it go (a delta's is kept for
 // the next one, O(changed)).
 inline void release_if_full(storage::ChunkScratch& scratch, receive::StagedWrites& w) {
@@ -208,9 +217,10 @@ class ShardReceiver {
                 std::int64_t ts, ReceiverTensors tensors)
       : spec_(named_by_structure(model)),
         hf_(spec_),
-        layout_(hf_, replica_of(topology)),
+        layout_(hf_, topology.one_replica()),
         ts_(ts),
-        receiver_(hf_, layout_, checked_rank(ts, topology), 1, std::move(tensors)) {}
+        receiver_(hf_, layout_, detail::checked_rank(ts, topology, "ShardReceiver"), 1,
+                  std::move(tensors)) {}
 
   ShardReceiver(const ShardReceiver&) = delete;
   ShardReceiver& operator=(const ShardReceiver&) = delete;
@@ -248,18 +258,6 @@ class ShardReceiver {
   }
 
  private:
-  static layout::InferTopology replica_of(layout::InferTopology t) {
-    t.replicas = 1;
-    return t;
-  }
-  static std::int64_t checked_rank(std::int64_t ts, const layout::InferTopology& t) {
-    if (ts < 0 || ts >= t.tp) {
-      throw invalid_argument("ShardReceiver: TP rank " + std::to_string(ts) +
-                             " is not a rank of tp=" + std::to_string(t.tp));
-    }
-    return ts;
-  }
-
   layout::ModelSpec spec_;
   layout::HfModel hf_;
   layout::ServingLayout layout_;

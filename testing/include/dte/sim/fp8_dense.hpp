@@ -14,12 +14,29 @@
 
 #include "dte/detect/fp8.hpp"
 #include "dte/layout/fp8_grid.hpp"
+#include "dte/layout/model.hpp"
 #include "dte/layout/serving.hpp"
 #include "dte/numeric/round.hpp"
 #include "dte/receive/core.hpp"
 #include "dte/receive/fp8_core.hpp"
 
 namespace dte::sim {
+
+// The tests' model: Qwen3-shaped, with tensors of several 128 x 128 blocks that the tensor's
+// edge cuts (qkv 384 x 160 at tp 1, gate_up 544 x 160, down 160 x 272).
+inline layout::ModelSpec fp8_test_model() {
+  layout::ModelSpec m = layout::model_preset("tiny-qwen3");
+  m.name = "fp8-test";
+  m.hidden = 160;
+  m.layers = 2;
+  m.heads = 4;
+  m.kv_heads = 2;
+  m.head_dim = 48;
+  m.intermediate = 272;
+  m.vocab = 200;
+  m.validate();
+  return m;
+}
 
 struct DenseFp8 {
   std::vector<std::uint8_t> code;
