@@ -95,6 +95,18 @@ TEST_CASE("config.json: the valid file loads") {
   CHECK(load(moe_config_text()).experts == 8);
 }
 
+TEST_CASE("config.json: transformers 5's num_local_experts names Qwen3-MoE's expert count") {
+  std::string text = moe_config_text();
+  text.replace(text.find("\"num_experts\":8"), 15, "\"num_local_experts\":8");
+  CHECK(load(text).experts == 8);
+  // Both given: num_experts, Qwen's own field, is read (and checked).
+  text = moe_config_text();
+  text.replace(text.find("\"num_experts\":8"), 15, "\"num_experts\":8,\"num_local_experts\":4");
+  CHECK(load(text).experts == 8);
+  text.replace(text.find("\"num_experts\":8"), 15, "\"num_experts\":0");
+  CHECK_THROWS_WITH_AS(load(text), Contains("field 'num_experts' is 0"), bounds_error);
+}
+
 TEST_CASE("config.json: an oversized head_dim ends in a clear error, not SIGFPE") {
   const std::string text = config_text("head_dim", "4611686018427387904");
   CHECK_THROWS_WITH_AS(load(text),

@@ -81,7 +81,12 @@ inline layout::ModelSpec model_from_config_json(const nlohmann::json& j,
     m.head_dim = m.hidden / m.heads;
   }
   if (*family == Family::qwen3_moe) {
-    m.experts = integer("num_experts", limits::experts);
+    // transformers >= 5 writes Qwen3-MoE's expert count as num_local_experts (its attribute map
+    // keeps num_experts as the Python name); Qwen's own config.json files say num_experts.
+    m.experts =
+        integer(!present("num_experts") && present("num_local_experts") ? "num_local_experts"
+                                                                        : "num_experts",
+                limits::experts);
     m.moe_intermediate = integer("moe_intermediate_size", limits::intermediate);
     m.experts_per_token = integer("num_experts_per_tok", m.experts);
     if (j.contains("intermediate_size")) {
