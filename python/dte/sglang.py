@@ -46,14 +46,13 @@ _log = logging.getLogger("dte.sglang")
 class _Worker:
     """One model's dte receiver and where it stands (one per SGLang worker process)."""
 
-    def __init__(self, model) -> None:
+    def __init__(self) -> None:
         self.receiver: Optional[dte.TorchReceiver] = None
         self.rank = 0
         self.tp = 1
         self.ep = 1
         self.readers: Dict[str, dte.StorageReader] = {}
         self.last: Optional[dict] = None
-        self.model = weakref.ref(model)
 
 
 _workers: "weakref.WeakKeyDictionary[Any, _Worker]" = weakref.WeakKeyDictionary()
@@ -195,7 +194,7 @@ def load(model, named_tensors) -> None:
     t0 = time.perf_counter()
     worker = _workers.get(model)
     if worker is None:
-        worker = _Worker(model)
+        worker = _Worker()
         _workers[model] = worker
     reports: List[dict] = []
     refused: Optional[str] = None
