@@ -91,6 +91,9 @@ SCENARIOS = [
     ("qwen3", 1, 1),
     ("qwen3", 2, 1),
     ("qwen3", 4, 1),  # 2 KV heads over 4 ranks: each replicated
+    ("qwen3-moe", 1, 1),
+    ("qwen3-moe", 2, 1),  # every expert split by MoE TP
+    ("qwen3-moe", 4, 1),  # ... and KV heads replicated
     ("qwen3-moe", 2, 2),  # experts split by EP, each whole (moe_tp 1)
     ("qwen3-moe", 4, 2),  # EP 2 x MoE TP 2
     ("qwen2", 2, 1),  # q/k/v biases
