@@ -216,6 +216,12 @@ def load(model, named_tensors) -> None:
             reports.append(worker.receiver.apply(_bytes(value, PUBLICATION)))
         else:
             root = _text(value, STORAGE)
+            if not os.path.isdir(root):
+                # (a reader of a root yet to be written would wait silently: a mistyped path,
+                # or one this host does not mount, would keep the old weights without a word)
+                raise dte.InvalidArgument(
+                    f"dte.sglang.load: storage root {root!r} is not a directory on this worker's "
+                    "host; give the path under which the workers see the trainer's root")
             reader = worker.readers.get(root)
             if reader is None:
                 reader = dte.StorageReader(root, worker.receiver, name=f"sglang-tp{worker.rank}")
@@ -223,7 +229,11 @@ def load(model, named_tensors) -> None:
             reader.poll(reports)
     except dte.Error as e:
         refused = _named(e)
-        _log.error("%s (TP rank %d): every parameter kept as it was", refused, worker.rank)
+    except Exception as e:  # noqa: BLE001 -- not raised into SGLang either (see above)
+        refused = f"dte.Error: unexpected {type(e).__name__} in dte.sglang.load: {e}"
+    if refused is not None:
+        held = None if worker.receiver is None else worker.receiver.version
+        _log.error("%s (TP rank %d; it holds version %s)", refused, worker.rank, held)
     worker.last = {
         "rank": worker.rank,
         "tp": worker.tp,
@@ -328,8 +338,10 @@ def _checked(reports: List[Optional[dict]], where: str) -> List[dict]:
             text = rep["refused"]
             cls = dte.Error
             if text.startswith("dte.") and ":" in text:
-                cls = getattr(dte, text[4:text.index(":")], dte.Error)
-                text = text[text.index(":") + 2:]
+                named = getattr(dte, text[4:text.index(":")], None)
+                if isinstance(named, type) and issubclass(named, dte.Error):
+                    cls = named
+                    text = text[text.index(":") + 2:]
             raise cls(f"TP worker {rep['rank']} refused: {text}")
     return reports
 

@@ -169,6 +169,11 @@ def test_malformed_payloads_are_refused_by_name():
         assert "give exactly one of" in dte.sglang.report(model)["refused"]
         dte.sglang.load(model, [(dte.sglang.PUBLICATION, torch.zeros(4, dtype=torch.float32))])
         assert "torch.uint8" in dte.sglang.report(model)["refused"]
+        dte.sglang.load(model, dte.sglang.payload(storage="/nonexistent/dte-root"))
+        assert "is not a directory" in dte.sglang.report(model)["refused"]
+        # Not even an unexpected error reaches SGLang (it would end its scheduler).
+        dte.sglang.load(model, [("no pair",)])
+        assert dte.sglang.report(model)["refused"].startswith("dte.Error: unexpected ValueError")
     with pytest.raises(dte.InvalidArgument):
         dte.sglang.payload()
 
