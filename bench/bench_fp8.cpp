@@ -7,7 +7,7 @@
 //   bf16  the same publisher without FP8: the BF16 delta of the same step.
 // Per publication: the bytes of each message, and of a dense FP8 reload (every code, one byte,
 // and every scale of the quantized tensors, plus two bytes per element of the tensors that stay
-// BF16); the receivers' apply time, one thread: an Fp8ShardReceiver (TP rank 0 of tp=1) for the
+// BF16); the receivers' apply time, one thread: an FP8 ShardReceiver (TP rank 0 of tp=1) for the
 // FP8 message, a ShardReceiver for the BF16 delta, and a dense requantization of the rank's
 // quantized tensors from their BF16 values in the rank's layout (what an engine does on a dense
 // reload: the recipe over every element, block by block in memory order; the copy of the dense
@@ -36,7 +36,6 @@
 #include "dte/layout/model.hpp"
 #include "dte/layout/serving.hpp"
 #include "dte/optim/adam.hpp"
-#include "dte/publication/fp8_receiver.hpp"
 #include "dte/publication/publisher.hpp"
 #include "dte/publication/receiver.hpp"
 #include "dte/sim/fp8_dense.hpp"
@@ -140,8 +139,8 @@ int main(int argc, char** argv) {
 
   // The receivers: the FP8 rank, and a BF16 rank for the BF16 deltas.
   sim::Fp8RankTensors fx(grid);
-  publication::Fp8ShardReceiver fp8_rx(spec, topo, 0, VllmBlockFp8::name, fx.bf16_views(),
-                                       fx.fp8_views());
+  publication::ShardReceiver fp8_rx(spec, topo, 0, VllmBlockFp8::name, fx.bf16_views(),
+                                    fx.fp8_views());
   std::vector<std::vector<std::uint16_t>> bx;
   ReceiverTensors bviews;
   for (std::int64_t k = 0; k < serving.size(); ++k)

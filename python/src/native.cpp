@@ -32,10 +32,10 @@
 #include "dte/layout/topology.hpp"
 #include "dte/optim/adam.hpp"
 #include "dte/optim/sgd.hpp"
-#include "dte/publication/fp8_receiver.hpp"
 #include "dte/publication/publisher.hpp"
 #include "dte/publication/receiver.hpp"
 #include "dte/publication/storage.hpp"
+#include "dte/receive/fp8_core.hpp"
 #include "publisher.hpp"
 
 #if defined(DTE_PYTHON_CUDA)
@@ -351,8 +351,8 @@ class PyShardReceiver : public PyReceiver<dte::publication::ShardReceiver> {
                    rank, spans(ptrs, numel)) {}
 };
 
-// An FP8-serving TP rank (Fp8ShardReceiver) over the tensors fp8_info lists, in its order.
-class PyFp8Receiver : public PyReceiver<dte::publication::Fp8ShardReceiver> {
+// An FP8-serving TP rank (an FP8 ShardReceiver) over the tensors fp8_info lists, in its order.
+class PyFp8Receiver : public PyReceiver<dte::publication::ShardReceiver> {
  public:
   PyFp8Receiver(const std::string& config, std::int64_t tp, std::int64_t ep, std::int64_t rank,
                 const std::string& recipe, const std::vector<std::uintptr_t>& bf16,
@@ -366,7 +366,7 @@ class PyFp8Receiver : public PyReceiver<dte::publication::Fp8ShardReceiver> {
                    fp8(code, code_numel, scale, scale_numel)) {}
   [[nodiscard]] std::string verify() const {
     nb::gil_scoped_release release;
-    return rx_.verify();
+    return rx_.fp8_verify();
   }
   [[nodiscard]] std::vector<std::uint32_t> fp8_digest() const { return rx_.fp8_digest(); }
 
@@ -393,14 +393,15 @@ class PyFp8Receiver : public PyReceiver<dte::publication::Fp8ShardReceiver> {
     if (at != bf16.size()) throw dte::invalid_argument("Fp8Receiver: too many BF16 tensors");
     return out;
   }
-  static std::vector<dte::publication::Fp8Tensor> fp8(
-      const std::vector<std::uintptr_t>& code, const std::vector<std::int64_t>& code_numel,
-      const std::vector<std::uintptr_t>& scale, const std::vector<std::int64_t>& scale_numel) {
+  static std::vector<dte::receive::Fp8Tensor> fp8(const std::vector<std::uintptr_t>& code,
+                                                  const std::vector<std::int64_t>& code_numel,
+                                                  const std::vector<std::uintptr_t>& scale,
+                                                  const std::vector<std::int64_t>& scale_numel) {
     if (code.size() != code_numel.size() || scale.size() != scale_numel.size() ||
         code.size() != scale.size()) {
       throw dte::invalid_argument("Fp8Receiver: per-tensor lists of different lengths");
     }
-    std::vector<dte::publication::Fp8Tensor> out;
+    std::vector<dte::receive::Fp8Tensor> out;
     for (std::size_t k = 0; k < code.size(); ++k) {
       out.push_back({{address<std::uint8_t>(code[k]), static_cast<std::size_t>(code_numel[k])},
                      {address<float>(scale[k]), static_cast<std::size_t>(scale_numel[k])}});

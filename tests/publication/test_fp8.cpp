@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // FP8 receivers (docs/fp8.md): publication/fp8_sender.hpp, receive/fp8_part.hpp,
-// receive/fp8_core.hpp, publication/fp8_receiver.hpp.
+// receive/fp8_core.hpp, publication/receiver.hpp (an FP8 ShardReceiver).
 //   * End to end: a trainer running AdamW publishes for the TP ranks of an online-FP8 engine
 //     (tp 1 and 2, K = 1 and 4, 30 publications); after every publication every rank's codes,
 //     scales and BF16 tensors equal the dense requantization of the trainer's weights.
@@ -27,7 +27,6 @@
 #include "dte/numeric/fp8.hpp"
 #include "dte/numeric/round.hpp"
 #include "dte/optim/adam.hpp"
-#include "dte/publication/fp8_receiver.hpp"
 #include "dte/publication/fp8_sender.hpp"
 #include "dte/publication/publisher.hpp"
 #include "dte/publication/receiver.hpp"
@@ -45,12 +44,12 @@ struct Ranks {
   layout::ServingLayout layout;
   layout::Fp8Grid grid;
   std::vector<std::unique_ptr<sim::Fp8RankTensors>> tensors;
-  std::vector<std::unique_ptr<publication::Fp8ShardReceiver>> rx;
+  std::vector<std::unique_ptr<publication::ShardReceiver>> rx;
   Ranks(const layout::HfModel& hf, const layout::ModelSpec& spec, std::int64_t tp)
       : layout(hf, layout::InferTopology{tp, 1, 1}), grid(layout, 128, 128) {
     for (std::int64_t ts = 0; ts < tp; ++ts) {
       tensors.push_back(std::make_unique<sim::Fp8RankTensors>(grid));
-      rx.push_back(std::make_unique<publication::Fp8ShardReceiver>(
+      rx.push_back(std::make_unique<publication::ShardReceiver>(
           spec, layout::InferTopology{tp, 1, 1}, ts, VllmBlockFp8::name,
           tensors.back()->bf16_views(), tensors.back()->fp8_views()));
     }
@@ -83,7 +82,7 @@ TEST_CASE("fp8: every publication leaves each rank with the dense requantization
           REQUIRE(ranks.rx[static_cast<std::size_t>(ts)]->apply(msg).committed());
           CHECK(sim::fp8_rank_differs(ranks.grid, ts, *ranks.tensors[static_cast<std::size_t>(ts)],
                                       weights_of(tr)) == "");
-          CHECK(ranks.rx[static_cast<std::size_t>(ts)]->verify() == "");
+          CHECK(ranks.rx[static_cast<std::size_t>(ts)]->fp8_verify() == "");
         }
       };
       {
@@ -381,7 +380,7 @@ TEST_CASE("fp8: refusals leave the rank untouched") {
   const Bytes v1 = publish(true);
   tr.step();
   const Bytes v2 = publish(false);
-  publication::Fp8ShardReceiver& rx = *ranks.rx[1];
+  publication::ShardReceiver& rx = *ranks.rx[1];
   sim::Fp8RankTensors& x = *ranks.tensors[1];
   const auto untouched = [&](auto&& f, const char* what) {
     CAPTURE(what);
@@ -429,9 +428,9 @@ TEST_CASE("fp8: refusals leave the rank untouched") {
     std::uint8_t& c = x.code[k][p.tensors[0].index[0]];
     c ^= 0x01;
     untouched([&] { rx.apply(v2); }, "codes changed behind dte's back");
-    CHECK(rx.verify() != "");
+    CHECK(rx.fp8_verify() != "");
     c ^= 0x01;
-    CHECK(rx.verify() == "");
+    CHECK(rx.fp8_verify() == "");
   }
   REQUIRE(rx.apply(v2).committed());
   CHECK(rx.apply(v2).outcome == ApplyOutcome::current);

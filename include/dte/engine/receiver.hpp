@@ -8,8 +8,9 @@
 //
 // A Receiver is the receiver core (receive/core.hpp: the version chain, bounds, coverage of a
 // full publication, the digest, the commit) with the wire v2 decoder in front of it. Other
-// decoders hand it their StagedWrites directly (apply(StagedWrites&): the publication receivers
-// and the storage reader, which route canonical chunk entries through receive/route.hpp).
+// decoders hand it their StagedWrites directly (apply(StagedWrites&), with an FP8 rank's FP8
+// parts: the publication receivers and the storage reader, which route canonical chunk entries
+// through receive/route.hpp). Every door ends in one commit step (commit()).
 //
 // apply() is transactional: every message of the publication is decoded and checked first
 // (framing, the commit rules below, tensor ids, index ranges); only then are values scattered in
@@ -103,6 +104,7 @@ class Receiver {
   // Per quantized tensor (FP8 ranks): the digest of its codes and scales.
   [[nodiscard]] const std::vector<Digest>& fp8_digest() const { return fp8_.value().digest(); }
   [[nodiscard]] std::string fp8_verify() const { return fp8_.value().verify(); }
+  [[nodiscard]] const layout::Fp8Grid& fp8_grid() const { return fp8_.value().grid(); }
 
   [[nodiscard]] std::int64_t rank() const noexcept { return core_.rank(); }
   [[nodiscard]] Version version() const noexcept { return core_.version(); }
@@ -136,18 +138,14 @@ class Receiver {
         res.outcome = ApplyOutcome::current;
         return res;
       }
-      core_.check(w);
-      if (fp8_) {
-        fp8_->check(parts, w.full());
-        // (the FP8 writes are undone if the digest is not the senders')
-        res.written = fp8_->commit(parts, w.full(), fp8_expected);
-      }
     } catch (const error& e) {
       refused(e, res);
       return res;  // nothing touched
     }
-    core_.commit(w);
-    res.written += w.size();
+    const std::optional<std::uint64_t> written =
+        commit(w, parts, fp8_expected, {}, [&](const error& e) { refused(e, res); });
+    if (!written) return res;  // nothing touched
+    res.written = *written;
     res.outcome = ApplyOutcome::committed;
     return res;
   }
@@ -158,10 +156,19 @@ class Receiver {
   // `expected`: the digest this rank's tensors must hold afterwards. Returns current for a
   // re-delivery of the version held.
   ApplyOutcome apply(receive::StagedWrites& w, std::span<const Digest> expected = {}) {
-    if (core_.chain(w.kind, w.version, w.base)) return ApplyOutcome::current;
-    core_.check(w);
-    core_.commit(w, expected);
-    return ApplyOutcome::committed;
+    return staged(w, {}, {}, expected);
+  }
+
+  // The same on an FP8 rank, with the FP8 parts of the publication (decoded for this rank) and
+  // fp8_expected: per quantized tensor, the digest it holds afterwards, else the publication is
+  // refused.
+  ApplyOutcome apply(receive::StagedWrites& w, std::span<const receive::Fp8Part> parts,
+                     std::span<const Digest> fp8_expected) {
+    if (!fp8_) {
+      throw invalid_argument(core_.who() + ": FP8 parts given, but this receiver holds no FP8 " +
+                             "tensors");
+    }
+    return staged(w, parts, fp8_expected, {});
   }
 
  private:
@@ -193,6 +200,41 @@ class Receiver {
         "receiver " + std::to_string(rank), rank, std::move(numel), std::move(live),
         static_cast<std::size_t>(hf.size()), [&layout](std::int64_t k) { return layout.name(k); },
         [&hf](std::int64_t t) { return hf.name(t); });
+  }
+
+  // Staged writes and FP8 parts: the chain, then the commit step.
+  ApplyOutcome staged(receive::StagedWrites& w, std::span<const receive::Fp8Part> parts,
+                      std::span<const Digest> fp8_expected, std::span<const Digest> expected) {
+    if (core_.chain(w.kind, w.version, w.base)) return ApplyOutcome::current;
+    (void)commit(w, parts, fp8_expected, expected, [](const error&) { throw; });
+    return ApplyOutcome::committed;
+  }
+
+  // The commit step of every door, after the version chain: the core's checks and the FP8
+  // parts' (nothing is written before both pass); the FP8 writes, undone unless each quantized
+  // tensor's digest is then fp8_expected's (when given); the BF16 writes and the version,
+  // undone unless the digest is then `expected`'s (when given; a door gives it without FP8
+  // parts, whose writes it could not undo). A refusal before the BF16 commit goes to
+  // on_refusal(e), called while e is handled: it rethrows or returns, and then this returns
+  // nothing, everything untouched. Returns the element writes.
+  template <class Refused>
+  std::optional<std::uint64_t> commit(receive::StagedWrites& w,
+                                      std::span<const receive::Fp8Part> parts,
+                                      std::span<const Digest> fp8_expected,
+                                      std::span<const Digest> expected, Refused&& on_refusal) {
+    std::uint64_t n = 0;
+    try {
+      core_.check(w);
+      if (fp8_) {
+        fp8_->check(parts, w.full());
+        n = fp8_->commit(parts, w.full(), fp8_expected);
+      }
+    } catch (const error& e) {
+      on_refusal(e);
+      return std::nullopt;
+    }
+    core_.commit(w, expected);
+    return n + w.size();
   }
 
   static void refused(const error& e, ApplyResult& res) {

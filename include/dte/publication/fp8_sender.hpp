@@ -14,7 +14,7 @@
 // values). The sender keeps, per block, the scale and the digest of the codes and scale that the
 // rank holds (8 bytes per 16,384 elements); a full publication sends every code and scale.
 // Each rank's digest after the version goes into the message, and the receiver refuses a
-// publication whose result differs (publication/fp8_receiver.hpp).
+// publication whose result differs (publication/receiver.hpp, an FP8 ShardReceiver).
 #pragma once
 
 #include <algorithm>

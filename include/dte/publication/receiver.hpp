@@ -3,7 +3,8 @@
 //   HfReceiver     the whole model as HF tensors (a served HF/PyTorch model: one view per HF
 //                  tensor, in HfModel order);
 //   ShardReceiver  one SGLang TP rank's tensors (ServingLayout order), through the engine's own
-//                  Receiver (engine/receiver.hpp).
+//                  Receiver (engine/receiver.hpp); or a TP rank of an engine that serves online
+//                  FP8 (docs/fp8.md), its quantized tensors as E4M3FN codes and block scales.
 // Both decode the message's chunks into staged writes in their own coordinates (the HF tensors
 // as they are, a shard through receive/route.hpp) and commit them through the receiver core
 // (receive/core.hpp): the version chain, coverage of a full publication, the digest are its.
@@ -22,21 +23,27 @@
 // whole replica's ranks with the trainer's digest.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dte/core/digest.hpp"
+#include "dte/detect/fp8.hpp"
 #include "dte/engine/receiver.hpp"
 #include "dte/engine/wire.hpp"
 #include "dte/error.hpp"
+#include "dte/layout/fp8_grid.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/serving.hpp"
 #include "dte/publication/message.hpp"
 #include "dte/receive/core.hpp"
+#include "dte/receive/fp8_core.hpp"
+#include "dte/receive/fp8_part.hpp"
 #include "dte/receive/replica.hpp"
 #include "dte/receive/route.hpp"
 #include "dte/receive/staged.hpp"
@@ -222,6 +229,24 @@ class ShardReceiver {
         receiver_(hf_, layout_, detail::checked_rank(ts, topology, "ShardReceiver"), 1,
                   std::move(tensors)) {}
 
+  // The same rank of an engine that serves online-quantized FP8 by `recipe`
+  // (VllmBlockFp8::name; docs/fp8.md), applying FP8 publications (message.hpp, fp8_format):
+  // bf16 one view per serving tensor with an empty one for each quantized tensor, fp8 per
+  // quantized tensor its codes and scales, in Fp8Grid::quantized_ids() order. After the checks
+  // of a BF16 publication and of this rank's FP8 part, the codes and scales are written first,
+  // and every FP8 write is undone and the publication refused unless each quantized tensor's
+  // digest is then the sender's (of the engine's own quantization of the trainer's weights).
+  ShardReceiver(const layout::ModelSpec& model, const layout::InferTopology& topology,
+                std::int64_t ts, std::string recipe, ReceiverTensors bf16,
+                std::vector<receive::Fp8Tensor> fp8)
+      : spec_(named_by_structure(model)),
+        hf_(spec_),
+        layout_(hf_, topology.one_replica()),
+        ts_(ts),
+        recipe_(known_recipe(std::move(recipe))),
+        receiver_(hf_, layout_, detail::checked_rank(ts, topology, "ShardReceiver"), 1,
+                  std::move(bf16), std::move(fp8)) {}
+
   ShardReceiver(const ShardReceiver&) = delete;
   ShardReceiver& operator=(const ShardReceiver&) = delete;
 
@@ -230,8 +255,20 @@ class ShardReceiver {
   [[nodiscard]] std::int64_t rank() const noexcept { return ts_; }
   [[nodiscard]] const Receiver& receiver() const noexcept { return receiver_; }
   [[nodiscard]] Version version() const noexcept { return receiver_.version(); }
-  // Per canonical tensor, of this rank's part (copies included).
+  // Per canonical tensor, of this rank's part (copies included; an FP8 rank's BF16 part).
   [[nodiscard]] const std::vector<Digest>& digest() const noexcept { return receiver_.digest(); }
+
+  // FP8 ranks: the quantized tensors, and per quantized tensor the digest of its codes and
+  // scales.
+  [[nodiscard]] bool serves_fp8() const noexcept { return receiver_.serves_fp8(); }
+  [[nodiscard]] const layout::Fp8Grid& fp8_grid() const { return receiver_.fp8_grid(); }
+  [[nodiscard]] const std::vector<Digest>& fp8_digest() const { return receiver_.fp8_digest(); }
+  // FP8 ranks: the first quantized tensor whose codes or scales differ from what dte wrote (""
+  // if none, or if nothing is held yet): the digest recomputed from every element.
+  [[nodiscard]] std::string fp8_verify() const {
+    if (receiver_.version() == no_version) return {};
+    return receiver_.fp8_verify();
+  }
 
   ApplyReport apply(std::span<const std::byte> bytes) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -241,16 +278,33 @@ class ShardReceiver {
                                             nullptr);
     out[static_cast<std::size_t>(ts_)] = &w;
     receive::Router router(layout_, out);
-    View v = decode(hf_, bytes, "publication");
+    View v = decode(hf_, bytes, "publication", serves_fp8() ? fp8_format : format);
+    const Fp8Section::Part* section = serves_fp8() ? &check_section(*v.fp8) : nullptr;
     const std::optional<storage::Manifest> m =
         detail::stage(hf_, v, bytes.size(), receiver_.core(), scratch_, w, rep,
                       storage::detail::ScratchRoom{&scratch_},
                       [&](std::int64_t t, const std::uint32_t* index, const std::uint16_t* bits,
                           std::size_t n) { router.route(t, index, bits, n); });
     if (!m) return rep;
-    rep.outcome = receiver_.apply(w);
     rep.written = w.size();
-    if (rep.committed()) rep.touched = w.tensors();
+    if (section == nullptr) {
+      rep.outcome = receiver_.apply(w);
+      if (rep.committed()) rep.touched = w.tensors();
+    } else {
+      const receive::Fp8Part part = receive::decode_fp8_part(
+          receiver_.fp8_grid(), recipe_, v.fp8_parts[static_cast<std::size_t>(ts_)],
+          "publication v" + std::to_string(m->version) + " FP8 part " + std::to_string(ts_),
+          {m->version, m->base, static_cast<std::uint32_t>(ts_)});
+      rep.outcome = receiver_.apply(w, std::span(&part, 1), section->digest);
+      if (rep.committed()) {
+        rep.touched = w.tensors();
+        for (const receive::Fp8Writes& t : part.tensors) {
+          rep.written += t.index.size() + t.block.size();
+          rep.touched.push_back(static_cast<std::uint32_t>(t.tensor));
+        }
+        std::sort(rep.touched.begin(), rep.touched.end());
+      }
+    }
     detail::release_if_full(scratch_, w);
     rep.version = receiver_.version();
     rep.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -258,10 +312,42 @@ class ShardReceiver {
   }
 
  private:
+  static std::string known_recipe(std::string recipe) {
+    if (recipe == VllmBlockFp8::name) return recipe;
+    throw unsupported("ShardReceiver: no recipe \"" + recipe + "\"; dte covers \"" +
+                      std::string(VllmBlockFp8::name) + "\" (docs/fp8.md)");
+  }
+
+  [[nodiscard]] std::string who() const { return "FP8 receiver " + std::to_string(ts_); }
+
+  // An FP8 publication's section: for this recipe and topology; this rank's part.
+  const Fp8Section::Part& check_section(const Fp8Section& s) const {
+    const layout::InferTopology& t = layout_.topology();
+    if (s.recipe != recipe_ || s.tp != t.tp || s.ep != t.ep) {
+      throw format_error(
+          who() + ": the publication is quantized by \"" + s.recipe + "\" for tp=" +
+          std::to_string(s.tp) + " ep=" + std::to_string(s.ep) + "; this receiver serves \"" +
+          recipe_ + "\" at tp=" + std::to_string(t.tp) + " ep=" + std::to_string(t.ep) +
+          ": publish for this topology (TorchPublisher(..., quantization=..., infer=...))");
+    }
+    if (s.parts.size() != static_cast<std::size_t>(t.tp)) {
+      throw format_error(who() + ": the publication has " + std::to_string(s.parts.size()) +
+                         " FP8 parts for " + std::to_string(t.tp) + " ranks");
+    }
+    const Fp8Section::Part& p = s.parts[static_cast<std::size_t>(ts_)];
+    if (p.digest.size() != fp8_digest().size()) {
+      throw format_error(who() + ": the publication's FP8 part has " +
+                         std::to_string(p.digest.size()) + " digests, this rank quantizes " +
+                         std::to_string(fp8_digest().size()) + " tensors");
+    }
+    return p;
+  }
+
   layout::ModelSpec spec_;
   layout::HfModel hf_;
   layout::ServingLayout layout_;
   std::int64_t ts_;
+  std::string recipe_;  // FP8 ranks
   Receiver receiver_;
   storage::ChunkScratch scratch_;  // reused from one publication to the next
   receive::StagedWrites staged_;

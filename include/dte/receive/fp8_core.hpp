@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // The FP8 receiver core: what every receiver of an online-FP8 engine's TP rank does with the
-// FP8 parts of one publication (receive/fp8_part.hpp) — the publication receiver
-// (publication/fp8_receiver.hpp: one part per message) and the engine's receiver rank
-// (engine/receiver.hpp: one part per trainer rank). The rules exist here once:
+// FP8 parts of one publication (receive/fp8_part.hpp), through the engine's receiver rank
+// (engine/receiver.hpp: one part per trainer rank), which the publication's FP8 ShardReceiver
+// (publication/receiver.hpp: one part per message) applies through. The rules exist here once:
 //   - check(): every part's writes lie in its tensors (decode_fp8_part checked that); a full
 //     publication writes every code and every scale of every quantized tensor exactly once over
 //     all its parts;
