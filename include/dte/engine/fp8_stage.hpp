@@ -3,8 +3,8 @@
 // online FP8 (layout/fp8_grid.hpp), and a block of a receiver's weight may hold elements of
 // several trainer ranks, so its new scale is a reduction over the world. One publication:
 //   1. the scan (pipeline/frame.hpp) flags the elements whose BF16 value can have changed;
-//      Fp8EngineSink gives those of quantized tensors here, with what their previous bits can be
-//      (one optimizer step's detect pass), and the routing sink the others;
+//      pipeline::FlagSink gives those of quantized tensors here, with what their previous bits
+//      can be (one optimizer step's detect pass), and the routing sink the others;
 //   2. local(): per block of one replica's receivers, this rank's largest magnitude, whether it
 //      flagged an element there, and (trainers - rank) where it holds one; every rank of the
 //      world takes the element-wise maximum (transport max(); receiver ranks give zeros), so
@@ -92,8 +92,10 @@ class EngineFp8Stage {
       f.clear();
   }
 
-  // A flagged element of a quantized tensor: shard offset o of buffer b, in shard order.
-  void changed(layout::BufferKind b, std::int64_t o, const PreviousBits& prev) {
+  // A flagged element of a quantized tensor: shard offset o of buffer b, in shard order
+  // (pipeline/flag_sink.hpp).
+  void changed(layout::BufferKind b, const pipeline::Run&, std::int64_t o,
+               const PreviousBits& prev) {
     flags_[static_cast<int>(b)].push_back({o, prev});
   }
 
@@ -287,48 +289,6 @@ class EngineFp8Stage {
   std::vector<Flag> flags_[2];  // this publication's, per buffer, in shard order
   bool known_ = false, full_ = true;
   std::uint64_t sent_codes_ = 0, sent_scales_ = 0;
-};
-
-// The engine's sink with FP8 receivers: the routing sink (engine/routing_sink.hpp, which leaves
-// out the quantized tensors), and each flagged element of a quantized tensor to the FP8 stage.
-// with_previous: the scan is one optimizer step's detect pass.
-template <class Inner, class Stage>
-class Fp8EngineSink {
- public:
-  Fp8EngineSink(Inner& inner, Stage& stage, bool with_previous)
-      : inner_(&inner), stage_(&stage), previous_(with_previous) {}
-
-  template <class Frame>
-  void begin(const Frame& f, pipeline::ScanMode mode) {
-    inner_->begin(f, mode);
-  }
-  template <class Frame>
-  void prepare(const Frame& f, layout::BufferKind b, std::size_t t, typename Frame::Tile& s) {
-    inner_->prepare(f, b, t, s);
-  }
-  template <class Frame>
-  void changed(const Frame& f, layout::BufferKind b, std::size_t t, const typename Frame::Tile& s) {
-    inner_->changed(f, b, t, s);
-    f.for_each_changed(b, t, s, [&](const pipeline::Run& run, std::int64_t o, std::uint16_t) {
-      if (stage_->takes(run.tensor)) {
-        stage_->changed(b, o, previous_ ? f.previous(b, run, o) : PreviousBits{});
-      }
-    });
-  }
-  template <class Frame>
-  void all(const Frame& f, layout::BufferKind b, std::size_t t, const typename Frame::Tile& s) {
-    inner_->all(f, b, t, s);
-  }
-  template <class Frame, class Access>
-  void end(const Frame& f, const Access& a, pipeline::ScanMode mode) {
-    inner_->end(f, a, mode);
-  }
-  [[nodiscard]] std::uint64_t entries() const noexcept { return inner_->entries(); }
-
- private:
-  Inner* inner_;
-  Stage* stage_;
-  bool previous_;
 };
 
 }  // namespace dte

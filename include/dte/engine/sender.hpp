@@ -20,6 +20,7 @@
 #include "dte/layout/serving.hpp"
 #include "dte/layout/topology.hpp"
 #include "dte/pipeline/detect.hpp"
+#include "dte/pipeline/flag_sink.hpp"
 #include "dte/pipeline/frame.hpp"
 
 namespace dte {
@@ -61,7 +62,7 @@ class HostSenderRank {
     if (fp8_) {
       // (the previous bits are known in one optimizer step's detect pass)
       fp8_->begin(mode == pipeline::ScanMode::all);
-      Fp8EngineSink<RoutingSink, Fp8> split(sink_, *fp8_, mode == pipeline::ScanMode::detect);
+      pipeline::FlagSink<RoutingSink, Fp8> split(sink_, *fp8_, mode == pipeline::ScanMode::detect);
       return frame_.scan(access, mode, split);
     }
     return frame_.scan(access, mode, sink_);

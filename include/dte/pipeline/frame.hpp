@@ -8,6 +8,8 @@
 //     copy, then encode one wire message per receiver (the engine's outbox);
 //   - the chunk sink (storage/chunk_sink.hpp): every element in canonical coordinates into
 //     chunks (storage versions, publication messages).
+//   - either behind pipeline/flag_sink.hpp, which hands the changed elements of FP8 receivers'
+//     quantized tensors to an FP8 stage.
 // A sink has begin(frame, mode); prepare(frame, buffer, tile, scratch) (in parallel); changed or
 // all(frame, buffer, tile, scratch) (serial: a delta's compacted elements or a full pass's
 // values); end(frame, access, mode); and entries(), what it wrote one by one.

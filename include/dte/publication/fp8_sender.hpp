@@ -2,9 +2,10 @@
 // The FP8 side of a publication (docs/fp8.md): what the TP ranks of an online-FP8 engine must
 // write so that each holds, bit for bit, the engine's own quantization of the trainer's BF16
 // weights. The sender frame's scan finds the elements whose BF16 value can have changed (the
-// guard band and the K-step dirty mask included); Fp8Sink passes those of quantized tensors here
-// and the others to the chunk sink. Then, per rank and quantized tensor, every block holding a
-// changed element (a touched block) is read whole from the trainer's weights:
+// guard band and the K-step dirty mask included); pipeline::FlagSink passes those of quantized
+// tensors here, and the chunk sink, which skips the quantized tensors, takes the others. Then,
+// per rank and quantized tensor, every block holding a changed element (a touched block) is read
+// whole from the trainer's weights:
 //   - its new scale is the recipe's, from the block's largest magnitude;
 //   - an element's code is sent when it can differ from the one the rank holds: a changed
 //     element unless its previous bits (PreviousBits: the reconstruction of the last step) give
@@ -69,6 +70,9 @@ class Fp8Stage {
   virtual void begin(bool full) = 0;
   // HF tensor t's element `index` can have changed; prev: what its previous bits can be.
   virtual void changed(std::int64_t t, std::uint32_t index, const PreviousBits& prev) = 0;
+  // The same for the element at shard offset o of a run of the scan (pipeline/flag_sink.hpp).
+  virtual void changed(layout::BufferKind b, const pipeline::Run& run, std::int64_t o,
+                       const PreviousBits& prev) = 0;
   // The parts of the version, one per rank, and the fp8 section; pending until commit().
   virtual Fp8Section finish(const HfWeights& weights, Version version, Version base,
                             std::vector<Bytes>& parts) = 0;
@@ -126,6 +130,11 @@ class Fp8Sender final : public Fp8Stage {
     layout_.targets(layout::Canonical{t, index}, [&](const layout::ReceiverElement& e) {
       flags_[slot(e.ts, e.tensor)].push_back({static_cast<std::uint32_t>(e.index), prev});
     });
+  }
+
+  void changed(layout::BufferKind, const pipeline::Run& run, std::int64_t o,
+               const PreviousBits& prev) override {
+    changed(run.tensor, pipeline::canonical_index(*hf_, run, o), prev);
   }
 
   Fp8Section finish(const HfWeights& weights, Version version, Version base,
@@ -376,68 +385,6 @@ class Fp8Sender final : public Fp8Stage {
   bool known_ = false;  // whether state_ holds what the ranks hold
   bool full_ = true;
   std::pair<std::uint64_t, std::uint64_t> sent_{0, 0};
-};
-
-// The sink of an FP8 publication's scan: elements of quantized tensors go to the FP8 stage, the
-// others to the chunk sink (`Inner`). with_previous: the scan is one optimizer step's detect pass,
-// whose reconstruction says what each element's previous bits can be.
-template <class Inner>
-class Fp8Sink {
- public:
-  Fp8Sink(Inner& inner, Fp8Stage& stage, bool with_previous)
-      : inner_(&inner), stage_(&stage), previous_(with_previous) {}
-
-  template <class Frame>
-  void begin(const Frame& f, pipeline::ScanMode mode) {
-    changed_ = 0;
-    inner_->begin(f, mode);
-  }
-  template <class Frame>
-  void prepare(const Frame&, layout::BufferKind, std::size_t, typename Frame::Tile&) {}
-
-  template <class Frame>
-  void changed(const Frame& f, layout::BufferKind b, std::size_t t, const typename Frame::Tile& s) {
-    f.for_each_changed(b, t, s, [&](const pipeline::Run& run, std::int64_t o, std::uint16_t bits) {
-      const auto tensor = static_cast<std::uint32_t>(run.tensor);
-      const std::uint32_t index = f.canonical_index(run, o);
-      if (stage_->takes(run.tensor)) {
-        stage_->changed(run.tensor, index, previous_ ? f.previous(b, run, o) : PreviousBits{});
-      } else if constexpr (Inner::diff) {
-        inner_->put(tensor, index, bits, f.previous(b, run, o));
-      } else {
-        inner_->put(tensor, index, bits);
-      }
-      ++changed_;
-    });
-  }
-
-  // A full publication: the tensors that stay BF16 go whole into the chunks (the FP8 stage sends
-  // every code and scale itself).
-  template <class Frame>
-  void all(const Frame& f, layout::BufferKind b, std::size_t t, const typename Frame::Tile& s) {
-    f.for_each_sent_piece(
-        b, t, s,
-        [&](const pipeline::Run& run, std::int64_t at, std::span<const std::uint16_t> bits) {
-          if (stage_->takes(run.tensor)) return;
-          const auto tensor = static_cast<std::uint32_t>(run.tensor);
-          const std::uint32_t first = f.canonical_index(run, run.shard_begin + at);
-          for (std::size_t j = 0; j < bits.size(); ++j)
-            inner_->put(tensor, first + static_cast<std::uint32_t>(j), bits[j]);
-        });
-  }
-
-  template <class Frame, class Access>
-  void end(const Frame&, const Access&, pipeline::ScanMode) {
-    inner_->flush();
-  }
-
-  [[nodiscard]] std::uint64_t entries() const noexcept { return changed_; }
-
- private:
-  Inner* inner_;
-  Fp8Stage* stage_;
-  bool previous_;
-  std::uint64_t changed_ = 0;
 };
 
 // The FP8 stage for a target's recipe.

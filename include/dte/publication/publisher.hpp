@@ -43,6 +43,7 @@
 #include "dte/exec/host.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/identity.hpp"
+#include "dte/pipeline/flag_sink.hpp"
 #include "dte/pipeline/frame.hpp"
 #include "dte/publication/fp8_sender.hpp"
 #include "dte/publication/message.hpp"
@@ -235,7 +236,12 @@ class Publisher {
         if constexpr (std::same_as<Exec, HostExecutor>) {
           if (fp8_) {
             fp8_->begin(full);
-            Fp8Sink<std::remove_reference_t<decltype(sink)>> split(sink, *fp8_, one_step);
+            std::vector<bool> skip(static_cast<std::size_t>(hf_.size()));
+            for (std::int64_t t = 0; t < hf_.size(); ++t)
+              skip[static_cast<std::size_t>(t)] = fp8_->takes(t);
+            sink.skip(std::move(skip));
+            pipeline::FlagSink<std::remove_reference_t<decltype(sink)>, Fp8Stage> split(sink, *fp8_,
+                                                                                        one_step);
             scan = sender_.scan(access, pass.mode, split);
             m.chunks = sink.written();
             fp8 = fp8_->finish(whole_tensors(access), v, base, fp8_parts);

@@ -81,6 +81,10 @@ class ChunkSink {
     if (classes_ != nullptr) valued_.resize(static_cast<std::size_t>(hf.size()));
   }
 
+  // HF tensors this sink leaves out (skip[t]: FP8 receivers' quantized tensors, which
+  // publication/fp8_sender.hpp writes).
+  void skip(std::vector<bool> skip) { skip_ = std::move(skip); }
+
   // ---- What the frame calls ----
 
   template <class Frame>
@@ -94,6 +98,7 @@ class ChunkSink {
   template <class Frame>
   void changed(const Frame& f, layout::BufferKind b, std::size_t t, const typename Frame::Tile& s) {
     f.for_each_changed(b, t, s, [&](const pipeline::Run& run, std::int64_t o, std::uint16_t bits) {
+      if (skipped(run.tensor)) return;
       const auto tensor = static_cast<std::uint32_t>(run.tensor);
       if constexpr (Diff) {
         // (what the previous stored value can be: the reconstruction of the last step)
@@ -111,6 +116,7 @@ class ChunkSink {
     f.for_each_sent_piece(
         b, t, s,
         [&](const pipeline::Run& run, std::int64_t at, std::span<const std::uint16_t> bits) {
+          if (skipped(run.tensor)) return;
           const auto tensor = static_cast<std::uint32_t>(run.tensor);
           const std::uint32_t first = f.canonical_index(run, run.shard_begin + at);
           for (std::size_t j = 0; j < bits.size(); ++j)
@@ -160,6 +166,10 @@ class ChunkSink {
     std::vector<std::uint32_t> touched;
     std::uint64_t pending = 0;
   };
+
+  [[nodiscard]] bool skipped(std::int64_t t) const noexcept {
+    return !skip_.empty() && skip_[static_cast<std::size_t>(t)];
+  }
 
   void add(Open& o, std::uint32_t tensor, std::uint32_t index, std::uint16_t bits, int cls = 0) {
     TensorDelta& d = o.tensors[tensor];
@@ -230,6 +240,7 @@ class ChunkSink {
   Open open_[2];                                    // value, diff
   std::vector<ChunkEntry> written_;
   std::uint64_t changed_ = 0;  // this delta's changed elements
+  std::vector<bool> skip_;     // per HF tensor (empty: none)
 };
 
 }  // namespace dte::storage
