@@ -73,4 +73,33 @@ struct VllmBlockFp8 {
   }
 };
 
+// What a receiver holds of one element of a touched block, where that is known.
+struct Fp8HeldCode {
+  bool known = false;
+  std::uint8_t code = 0;
+  // The send rule: the element's new code is sent unless the code held is known and equal.
+  [[nodiscard]] DTE_HOST_DEVICE constexpr bool sends(std::uint8_t new_code) const noexcept {
+    return !known || code != new_code;
+  }
+};
+
+// The code a receiver holds of an element of a touched block whose new code is `code`, shared by
+// the senders (publication/fp8_sender.hpp, engine/fp8_stage.hpp): the code under the old scale
+// (old_multiplier) of its previous bits where the scan flagged the element (prev: what they can
+// be; known when every candidate gives one code), else of its bits (unchanged), which is `code`
+// itself unless the block was rescaled (the new scale's bits differ from the old one's).
+template <class Recipe>
+DTE_HOST_DEVICE Fp8HeldCode fp8_held_code(std::uint16_t bits, std::uint8_t code,
+                                          const PreviousBits* prev, float old_multiplier,
+                                          bool rescaled) noexcept {
+  Fp8HeldCode h;
+  if (prev != nullptr) {
+    h.known = Recipe::previous_code(*prev, old_multiplier, h.code);
+  } else {
+    h.known = true;
+    h.code = rescaled ? Recipe::code(bits, old_multiplier) : code;
+  }
+  return h;
+}
+
 }  // namespace dte

@@ -11,8 +11,8 @@
 //      every trainer rank knows each block's new scale, whether it is touched, and its owner
 //      (the lowest trainer rank holding an element of it);
 //   3. finish(): for its elements of touched blocks, the codes that can differ from what the
-//      receivers hold (the rule of publication/fp8_sender.hpp: a flagged element unless its
-//      previous bits give the new code under the old scale; any element the new scale moves);
+//      receivers hold (the send rule, detect/fp8.hpp's fp8_held_code: a flagged element unless
+//      its previous bits give the new code under the old scale; any element the new scale moves);
 //      the owner adds the scale where it changed; one FP8 part per TP rank (receive/fp8_part.hpp),
 //      which the engine attaches to each replica's message; and this rank's share of every
 //      quantized tensor's digest (codes and scales after the version), which the engine sums over
@@ -30,6 +30,7 @@
 #include "dte/concepts.hpp"
 #include "dte/core/digest.hpp"
 #include "dte/core/message.hpp"
+#include "dte/detect/fp8.hpp"
 #include "dte/layout/fp8_grid.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/serving.hpp"
@@ -140,17 +141,10 @@ class EngineFp8Stage {
       const float mult = Recipe::multiplier(scale[blk]);
       const std::uint8_t code = Recipe::code(bits, mult);
       share_[blk] += receive::fp8_code_digest(o, code);
-      bool send = full_;
-      if (!send) {
-        const float old_mult = Recipe::multiplier(scale_[blk]);
-        std::uint8_t before = 0;
-        if (prev != nullptr) {
-          send = !Recipe::previous_code(*prev, old_mult, before) || before != code;
-        } else {
-          send = float_bits(scale[blk]) != float_bits(scale_[blk]) &&
-                 Recipe::code(bits, old_mult) != code;
-        }
-      }
+      const bool send =
+          full_ || fp8_held_code<Recipe>(bits, code, prev, Recipe::multiplier(scale_[blk]),
+                                         float_bits(scale[blk]) != float_bits(scale_[blk]))
+                       .sends(code);
       if (send) codes[slot_of(blk)].emplace_back(static_cast<std::uint32_t>(o), code);
     });
     std::vector<receive::Fp8Part> parts(static_cast<std::size_t>(tp_));

@@ -7,9 +7,10 @@
 // per rank and quantized tensor, every block holding a changed element (a touched block) is read
 // whole from the trainer's weights:
 //   - its new scale is the recipe's, from the block's largest magnitude;
-//   - an element's code is sent when it can differ from the one the rank holds: a changed
-//     element unless its previous bits (PreviousBits: the reconstruction of the last step) give
-//     the new code for certain under the old scale; any element whose code the new scale moves;
+//   - an element's code is sent when it can differ from the one the rank holds (the send rule,
+//     detect/fp8.hpp's fp8_held_code): a changed element unless its previous bits (PreviousBits:
+//     the reconstruction of the last step) give the new code for certain under the old scale;
+//     any element whose code the new scale moves;
 //   - the new scale is sent when its bits differ from the old one's.
 // Only touched blocks can change at all (a block's scale and codes are functions of its BF16
 // values). The sender keeps, per block, the scale and the digest of the codes and scale that the
@@ -323,14 +324,15 @@ class Fp8Sender final : public Fp8Stage {
       bool unknown = false;
       for (const FlagRef& f : touched) {
         const Flag& x = flags[f.second];
-        const std::uint8_t code = Recipe::code(value(x.offset), mult);
-        std::uint8_t before = 0;
-        if (!Recipe::previous_code(x.prev, mult, before)) {
+        const std::uint16_t bits = value(x.offset);
+        const std::uint8_t code = Recipe::code(bits, mult);
+        const Fp8HeldCode held = fp8_held_code<Recipe>(bits, code, &x.prev, mult, false);
+        if (!held.sends(code)) continue;
+        res.codes.emplace_back(x.offset, code);
+        if (held.known) {
+          res.digest += fp8_code_digest(x.offset, code) - fp8_code_digest(x.offset, held.code);
+        } else {
           unknown = true;
-          res.codes.emplace_back(x.offset, code);
-        } else if (before != code) {
-          res.codes.emplace_back(x.offset, code);
-          res.digest += fp8_code_digest(x.offset, code) - fp8_code_digest(x.offset, before);
         }
       }
       if (!unknown) return res;
@@ -358,18 +360,14 @@ class Fp8Sender final : public Fp8Stage {
       if (!res.rescaled) continue;  // (the flags were sent above)
       for (std::int64_t j = 0; j < nc; ++j) {
         const std::int64_t o = o0 + j;
-        bool send;
-        if (full_) {
-          send = true;
-        } else if (f < touched.size() && flags[touched[f].second].offset == o) {
-          std::uint8_t before = 0;
-          send = !Recipe::previous_code(flags[touched[f].second].prev, old_mult, before) ||
-                 before != codes[j];
-          ++f;
-        } else {
-          send = Recipe::code(Detect::store(p[j]), old_mult) != codes[j];
+        const PreviousBits* prev = nullptr;
+        if (f < touched.size() && flags[touched[f].second].offset == o) {
+          prev = &flags[touched[f++].second].prev;
         }
-        if (send) res.codes.emplace_back(static_cast<std::uint32_t>(o), codes[j]);
+        if (full_ || fp8_held_code<Recipe>(Detect::store(p[j]), codes[j], prev, old_mult, true)
+                         .sends(codes[j])) {
+          res.codes.emplace_back(static_cast<std::uint32_t>(o), codes[j]);
+        }
       }
     }
     return res;
