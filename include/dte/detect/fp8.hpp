@@ -73,6 +73,19 @@ struct VllmBlockFp8 {
   }
 };
 
+// The largest |x| of x[0, n) and `top`, as FP32 bits (for numbers, |x|'s bits order as |x|
+// does): a block's amax before rounding. Rounding is monotone and symmetric, so the largest
+// magnitude of the block's BF16 values is Recipe::magnitude(Detect::store(bits_float(top))),
+// one rounding per block. (The frame validated the weights: no NaN.)
+inline std::uint32_t abs_max_bits(const float* x, std::int64_t n, std::uint32_t top = 0) noexcept {
+  DTE_OMP(simd reduction(max : top))
+  for (std::int64_t j = 0; j < n; ++j) {
+    const std::uint32_t a = float_bits(x[j]) & 0x7FFFFFFFu;
+    top = a > top ? a : top;
+  }
+  return top;
+}
+
 // What a receiver holds of one element of a touched block, where that is known.
 struct Fp8HeldCode {
   bool known = false;

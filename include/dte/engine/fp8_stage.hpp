@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "dte/concepts.hpp"
+#include "dte/config.hpp"
 #include "dte/core/digest.hpp"
 #include "dte/core/message.hpp"
 #include "dte/detect/fp8.hpp"
@@ -101,15 +102,21 @@ class EngineFp8Stage {
   }
 
   // This rank's part of the max-reduction: [amax bits | touched | trainers - rank], per block.
+  // The amax of a piece of a block: its largest FP32 magnitude, rounded once (abs_max_bits).
   template <class ThetaOf>
   std::vector<std::uint64_t> local(ThetaOf&& theta_of) const {
     std::vector<std::uint64_t> v(3 * blocks_, 0);
-    for_each_element(theta_of,
-                     [&](std::size_t blk, std::int64_t, std::uint16_t bits, const PreviousBits*) {
-                       const std::uint64_t m = float_bits(Recipe::magnitude(bits));
-                       v[blk] = std::max(v[blk], m);
-                       v[2 * blocks_ + blk] = static_cast<std::uint64_t>(trainers_ - rank_);
-                     });
+    for (layout::BufferKind b : {layout::BufferKind::dense, layout::BufferKind::expert}) {
+      if (table_->runs(b).empty()) continue;
+      const std::span<const float> theta = theta_of(b);
+      for_each_piece(b, [&](const pipeline::Run&, std::size_t blk, std::int64_t, std::int64_t so,
+                            std::int64_t n) {
+        const std::uint32_t top = abs_max_bits(theta.data() + so, n);
+        const std::uint64_t m = float_bits(Recipe::magnitude(Detect::store(bits_float(top))));
+        v[blk] = std::max(v[blk], m);
+        v[2 * blocks_ + blk] = static_cast<std::uint64_t>(trainers_ - rank_);
+      });
+    }
     for (layout::BufferKind b : {layout::BufferKind::dense, layout::BufferKind::expert}) {
       walk_flags(b, [&](std::size_t blk) { v[blocks_ + blk] = 1; });
     }
@@ -216,38 +223,54 @@ class EngineFp8Stage {
            1;
   }
 
+  // f(run, block, local offset, shard offset, n) for every piece of n consecutive elements of a
+  // replica-0 copy of this rank's quantized runs of buffer b that lies in one block: per run in
+  // shard order, per copy, in offset order.
+  template <class F>
+  void for_each_piece(layout::BufferKind b, F&& f) const {
+    const std::size_t nq = grid_.quantized_ids().size();
+    for (const pipeline::Run& run : table_->runs(b)) {
+      if (!run.sender || run.tensor < 0 || !takes(run.tensor)) continue;
+      for (const pipeline::RunTarget& t : table_->targets(run)) {
+        if (static_cast<std::int64_t>(t.rank) >= tp_) continue;  // (other replicas: the same)
+        const auto id = static_cast<std::int64_t>(t.tensor);
+        const layout::BlockGrid& g = grid_.grid(id);
+        const std::size_t base =
+            base_[t.rank * nq + static_cast<std::size_t>(slot_[static_cast<std::size_t>(id)])];
+        for (std::int64_t j = 0; j < run.length;) {
+          const std::int64_t o = static_cast<std::int64_t>(t.index) + j;
+          const std::int64_t col = o % g.cols;
+          const std::int64_t end = std::min(g.cols, (col / g.block_cols + 1) * g.block_cols);
+          const std::int64_t n = std::min(run.length - j, end - col);
+          f(run, base + static_cast<std::size_t>(g.block_of(o)), o, run.shard_begin + j, n);
+          j += n;
+        }
+      }
+    }
+  }
+
   // f(block, local offset, bits, previous bits or null) for every element of this rank's
   // quantized runs and every replica-0 copy of it, in shard order.
   template <class ThetaOf, class F>
   void for_each_element(ThetaOf& theta_of, F&& f) const {
-    const std::size_t nq = grid_.quantized_ids().size();
     for (layout::BufferKind b : {layout::BufferKind::dense, layout::BufferKind::expert}) {
-      const auto runs = table_->runs(b);
-      if (runs.empty()) continue;
+      if (table_->runs(b).empty()) continue;
       const std::span<const float> theta = theta_of(b);
       const std::vector<Flag>& flags = flags_[static_cast<int>(b)];
-      std::size_t fi = 0;
-      for (const pipeline::Run& run : runs) {
-        if (!run.sender || run.tensor < 0 || !takes(run.tensor)) continue;
-        while (fi < flags.size() && flags[fi].offset < run.shard_begin)
-          ++fi;
-        for (const pipeline::RunTarget& t : table_->targets(run)) {
-          if (static_cast<std::int64_t>(t.rank) >= tp_) continue;  // (other replicas: the same)
-          const auto id = static_cast<std::int64_t>(t.tensor);
-          const layout::BlockGrid& g = grid_.grid(id);
-          const std::size_t base =
-              base_[t.rank * nq + static_cast<std::size_t>(slot_[static_cast<std::size_t>(id)])];
-          std::size_t fj = fi;
-          for (std::int64_t j = 0; j < run.length; ++j) {
-            const std::int64_t so = run.shard_begin + j;
-            const PreviousBits* prev = nullptr;
-            if (fj < flags.size() && flags[fj].offset == so) prev = &flags[fj++].prev;
-            const std::int64_t o = static_cast<std::int64_t>(t.index) + j;
-            f(base + static_cast<std::size_t>(g.block_of(o)), o,
-              Detect::store(theta[static_cast<std::size_t>(so)]), prev);
-          }
+      std::size_t fi = 0, fj = 0;  // the run's first flag; the copy's next
+      for_each_piece(b, [&](const pipeline::Run& run, std::size_t blk, std::int64_t o,
+                            std::int64_t so, std::int64_t n) {
+        if (so == run.shard_begin) {  // a copy of the run starts
+          while (fi < flags.size() && flags[fi].offset < run.shard_begin)
+            ++fi;
+          fj = fi;
         }
-      }
+        for (std::int64_t j = 0; j < n; ++j) {
+          const PreviousBits* prev = nullptr;
+          if (fj < flags.size() && flags[fj].offset == so + j) prev = &flags[fj++].prev;
+          f(blk, o + j, Detect::store(theta[static_cast<std::size_t>(so + j)]), prev);
+        }
+      });
     }
   }
 

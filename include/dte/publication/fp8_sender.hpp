@@ -295,8 +295,7 @@ class Fp8Sender final : public Fp8Stage {
     const std::int64_t r0 = g.row0(bi), c0 = g.col0(bi), nr = g.rows_of(bi), nc = g.cols_of(bi);
     // each row's weights (a row's columns are contiguous in its HF tensor)
     std::vector<const float*> row(static_cast<std::size_t>(nr));
-    // (the largest magnitude as bits: for numbers, |x|'s bits order as |x| does)
-    std::uint32_t top = 0;
+    std::uint32_t top = 0;  // (the largest magnitude as bits: abs_max_bits)
     for (std::int64_t r = 0; r < nr; ++r) {
       const layout::Canonical c = layout_.source({ts, id, (r0 + r) * g.cols + c0});
       const std::span<const float> x = weights(c.tensor);
@@ -306,11 +305,7 @@ class Fp8Sender final : public Fp8Stage {
       }
       const float* p = x.data() + c.index;
       row[static_cast<std::size_t>(r)] = p;
-      DTE_OMP(simd reduction(max : top))
-      for (std::int64_t j = 0; j < nc; ++j) {
-        const std::uint32_t a = float_bits(p[j]) & 0x7FFFFFFFu;
-        top = a > top ? a : top;
-      }
+      top = abs_max_bits(p, nc, top);
     }
     BlockResult res;
     res.scale = Recipe::scale(Recipe::magnitude(Detect::store(bits_float(top))));
