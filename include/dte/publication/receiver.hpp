@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// Receivers of publication messages (publication/message.hpp), over the caller's BF16 tensors:
+// Receivers of publication messages (publication/message.hpp), over the caller's own tensors:
 //   HfReceiver     the whole model as HF tensors (a served HF/PyTorch model: one view per HF
 //                  tensor, in HfModel order);
 //   ShardReceiver  one SGLang TP rank's tensors (ServingLayout order), through the engine's own
