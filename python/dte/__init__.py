@@ -513,6 +513,42 @@ def _hook_optimizer(optimizer, after):
     optimizer.step = types.MethodType(step, optimizer)
 
 
+def _check_served(params: Mapping[str, object], shapes: Mapping[str, tuple], who: str,
+                  place: str, serve_as: str, packed=None) -> list:
+    """A serving engine worker's parameters against dte's serving layout for its rank, both ways,
+    before anything is written: every tensor of the layout is a contiguous BF16 CPU parameter
+    of its shape, and every parameter is in the layout (one dte would never update is refused).
+    packed(name, p): whether the engine emptied that parameter and computes from a copy (then
+    not checked; returned). who: the caller, as errors name it; place: the worker's rank;
+    serve_as: how to serve BF16 unquantized with that engine."""
+    torch = _torch()
+    emptied = []
+    for name, shape in shapes.items():
+        p = params.get(name)
+        if p is None:
+            raise InvalidArgument(
+                f"{who}: the served model has no parameter {name} ({place}); its parameters are "
+                f"{sorted(params)[:6]} ...: is it the model of the config given?")
+        if p.device.type != "cpu":
+            raise UnsupportedError(
+                f"{who}: {name} lives on {p.device}; this release applies publications into CPU "
+                "tensors. GPU workers need the binding's CUDA receiver, which is not there yet")
+        if packed is not None and packed(name, p):
+            emptied.append(name)
+            continue
+        if tuple(p.shape) != tuple(shape) or p.dtype != torch.bfloat16 or not p.is_contiguous():
+            raise UnsupportedError(
+                f"{who}: {name} is {p.dtype} {tuple(p.shape)} in the served model; dte writes "
+                f"contiguous BF16 {tuple(shape)} (serve with {serve_as}, unquantized)")
+    unknown = sorted(set(params) - set(shapes))
+    if unknown:
+        raise InvalidArgument(
+            f"{who}: the served model has parameters the config's layout does not ({place}): "
+            f"{unknown[:4]}{' ...' if len(unknown) > 4 else ''}; dte would never update them: is "
+            "the config the served model's?")
+    return emptied
+
+
 class TorchReceiver:
     """An inference worker's BF16 tensors, written in place by apply(message).
 

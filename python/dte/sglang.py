@@ -97,9 +97,7 @@ def _served_config(model) -> str:
 
 def _bind(worker: _Worker, model) -> None:
     """Binds a receiver to this worker's parameters: every one checked against dte's serving
-    layout for its rank, both ways, before anything is written."""
-    import torch
-
+    layout for its rank, both ways, before anything is written (dte._check_served)."""
     par = _parallel()
     tp, rank = par["tp_size"], par["tp_rank"]
     worker.rank, worker.tp = rank, tp
@@ -125,27 +123,7 @@ def _bind(worker: _Worker, model) -> None:
                 f"MoE TP rank {par['moe_tp_rank']} of {par['moe_tp_size']} in this SGLang; dte's layout "
                 f"has EP rank {rank // moe_tp}, MoE TP rank {rank % moe_tp} of {moe_tp} (moe_dp_size 1)")
     params = dict(model.named_parameters())
-    for name, shape in shapes.items():
-        p = params.get(name)
-        if p is None:
-            raise dte.InvalidArgument(
-                f"dte.sglang: the served model has no parameter {name} (TP rank {rank} of tp={tp}); "
-                f"its parameters are {sorted(params)[:6]} ...: is it the model of its config?")
-        if p.device.type != "cpu":
-            raise dte.UnsupportedError(
-                f"dte.sglang: {name} lives on {p.device}; this release applies publications into CPU "
-                "tensors. GPU workers need the binding's CUDA receiver, which is not there yet "
-                "(docs/sglang.md)")
-        if tuple(p.shape) != tuple(shape) or p.dtype != torch.bfloat16 or not p.is_contiguous():
-            raise dte.UnsupportedError(
-                f"dte.sglang: {name} is {p.dtype} {tuple(p.shape)} in the served model; dte writes "
-                f"contiguous BF16 {tuple(shape)} (serve with --dtype bfloat16, unquantized)")
-    unknown = sorted(set(params) - set(shapes))
-    if unknown:
-        raise dte.InvalidArgument(
-            f"dte.sglang: the served model has parameters the config's layout does not (TP rank "
-            f"{rank} of tp={tp}): {unknown[:4]}{' ...' if len(unknown) > 4 else ''}; dte would never "
-            "update them: is the config the served model's?")
+    dte._check_served(params, shapes, "dte.sglang", f"TP rank {rank} of tp={tp}", "--dtype bfloat16")
     for mname, module in model.named_modules():
         # Layouts other than the one dte writes, or copies the kernels compute from instead of
         # the parameters: refused rather than written and never served.

@@ -160,34 +160,13 @@ class DteWeightTransferEngine(WeightTransferEngine[DteInitInfo, DteUpdateInfo]):
             config = os.path.join(config, "config.json")
         shapes = dte.TorchReceiver.shard_tensors(config, f"tp={tp}", rank)
         params = dict(self.model.named_parameters())
-        # Every parameter checked before any is touched.
-        emptied = []
         modules = {name: self.model.get_submodule(name.rpartition(".")[0]) for name in shapes}
-        for name, shape in shapes.items():
-            p = params.get(name)
-            if p is None:
-                raise dte.InvalidArgument(
-                    f"dte vLLM backend: the served model has no parameter {name} (TP rank {rank} of "
-                    f"tp={tp}); its parameters are {sorted(params)[:6]} ...: is it the model of the "
-                    "config given?")
-            if p.device.type != "cpu":
-                raise dte.UnsupportedError(
-                    f"dte vLLM backend: {name} lives on {p.device}; this release applies publications "
-                    "into CPU tensors (vLLM's CPU platform). GPU workers need the binding's CUDA "
-                    "receiver, which is not there yet")
-            if p.numel() == 0 and hasattr(modules[name], "cpu_linear") and p.dtype == torch.bfloat16:
-                emptied.append(name)  # packed by vLLM's CPU platform, the parameter emptied
-                continue
-            if tuple(p.shape) != tuple(shape) or p.dtype != torch.bfloat16 or not p.is_contiguous():
-                raise dte.UnsupportedError(
-                    f"dte vLLM backend: {name} is {p.dtype} {tuple(p.shape)} in the served model; dte "
-                    f"writes contiguous BF16 {tuple(shape)} (serve with dtype='bfloat16', unquantized)")
-        unknown = sorted(set(params) - set(shapes))
-        if unknown:
-            raise dte.InvalidArgument(
-                f"dte vLLM backend: the served model has parameters the config's layout does not "
-                f"(TP rank {rank} of tp={tp}): {unknown[:4]}{' ...' if len(unknown) > 4 else ''}; "
-                "dte would never update them: is the config the served model's?")
+        # Every parameter checked before any is touched; vLLM's CPU platform packs the linear
+        # layers and empties their parameters.
+        emptied = dte._check_served(
+            params, shapes, "dte vLLM backend", f"TP rank {rank} of tp={tp}", "dtype='bfloat16'",
+            packed=lambda name, p: (p.numel() == 0 and hasattr(modules[name], "cpu_linear")
+                                    and p.dtype == torch.bfloat16))
         # dte's tensor becomes each emptied parameter again; the packed copy serves until a
         # publication writes that layer.
         live_bytes = 0
