@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import types
 from typing import Dict, List, Mapping, Optional, Sequence
 
@@ -435,6 +436,16 @@ def _process_group(group):
 def _error_class(name: str):
     cls = globals().get(name)
     return cls if isinstance(cls, type) and issubclass(cls, Error) else Error
+
+
+def _error_from_text(text: str, prefix: str = "") -> Exception:
+    """A serving worker's dte error from the text its report recorded ("dte.FormatError: ..."):
+    the same class in every process; RuntimeError when the text names no dte class."""
+    m = re.match(r"dte\.(\w+): (.*)", text, re.S)
+    cls = globals().get(m.group(1)) if m else None
+    if not (isinstance(cls, type) and issubclass(cls, Error)):
+        return RuntimeError(prefix + text)
+    return cls(prefix + m.group(2))
 
 
 def _match_parameters(named: Mapping[str, object], info: dict, who: str) -> list:

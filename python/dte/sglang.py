@@ -313,14 +313,7 @@ def _checked(reports: List[Optional[dict]], where: str) -> List[dict]:
             f"--custom-weight-loader {LOADER}, and the directory theirs to write?")
     for rep in reports:
         if rep["refused"]:
-            text = rep["refused"]
-            cls = dte.Error
-            if text.startswith("dte.") and ":" in text:
-                named = getattr(dte, text[4:text.index(":")], None)
-                if isinstance(named, type) and issubclass(named, dte.Error):
-                    cls = named
-                    text = text[text.index(":") + 2:]
-            raise cls(f"TP worker {rep['rank']} refused: {text}")
+            raise dte._error_from_text(rep["refused"], f"TP worker {rep['rank']} refused: ")
     return reports
 
 

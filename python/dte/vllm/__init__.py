@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import base64
 import json
-import re
 import urllib.request
 from typing import List, Optional
 
@@ -111,25 +110,10 @@ def _checked(got: List[Optional[dict]], error: Optional[Exception]) -> List[Opti
             f"dte.vllm: the workers hold different versions {versions} after a refused update "
             f"({refusals[0] if refusals else error}); send a full publication (pub.publish_full())")
     if refusals:
-        raise _as_dte_error(refusals[0])
+        raise dte._error_from_text(refusals[0])
     if error is not None:
         raise error
     return got
-
-
-_NAMED = re.compile(r"dte\.(\w+): (.*)", re.S)
-
-
-def _as_dte_error(text: str) -> Exception:
-    """The worker's dte error from the text its report recorded (the engine names the class:
-    dte.FormatError: ...): the same class in-process and across processes."""
-    import dte
-
-    m = _NAMED.match(text)
-    cls = getattr(dte, m.group(1), None) if m else None
-    if m is None or not (isinstance(cls, type) and issubclass(cls, dte.Error)):
-        return RuntimeError(text)
-    return cls(m.group(2))
 
 
 def _post(url: str, route: str, body: dict, timeout: float) -> dict:
