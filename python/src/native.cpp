@@ -7,12 +7,14 @@
 // publication. The GIL is released during every pass and apply. dte's exceptions become the
 // dte.Error classes below.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <span>
@@ -164,6 +166,26 @@ nb::tuple fp8_recipe(const std::string& recipe, const nb::bytes& bf16, float ama
     codes[k] = static_cast<char>(dte::VllmBlockFp8::code(bits, mult));
   }
   return nb::make_tuple(scale, nb::bytes(codes.data(), codes.size()));
+}
+
+// Where two configs make different models: their structure, or the first forward field on which
+// they differ (io/forward_config.hpp), as "field (a_name: X, b_name: Y)"; "" when they agree.
+// A preset has no forward fields: only the structure is compared then.
+std::string config_difference(const std::string& a, const std::string& b, const std::string& a_name,
+                              const std::string& b_name) {
+  const dte::layout::ModelSpec x = model_of(a), y = model_of(b);
+  if (x.structure() != y.structure()) {
+    return "the structure (" + a_name + ": " + x.structure() + "; " + b_name + ": " +
+           y.structure() + ")";
+  }
+  if (!x.forward || !y.forward) return {};
+  return dte::io::forward_difference(*x.forward, *y.forward, a_name, b_name).value_or("");
+}
+
+// A config's forward fields as dte compares them (name -> JSON text); empty for a preset.
+std::map<std::string, std::string> forward_fields(const std::string& config) {
+  const dte::layout::ModelSpec m = model_of(config);
+  return m.forward.value_or(dte::io::ForwardFields{});
 }
 
 // The model of a message (its config), for a receiver that learns it from the first one.
@@ -529,6 +551,8 @@ NB_MODULE(_native, m) {
   m.def("model_info", &model_info, "config"_a);
   m.def("shard_info", &shard_info, "config"_a, "tp"_a, "ep"_a = 1);
   m.def("message_config", &message_config, "message"_a);
+  m.def("config_difference", &config_difference, "a"_a, "b"_a, "a_name"_a, "b_name"_a);
+  m.def("forward_fields", &forward_fields, "config"_a);
   m.def("fp8_info", &fp8_info, "config"_a, "tp"_a, "ep"_a, "recipe"_a);
   m.def("fp8_recipe", &fp8_recipe, "recipe"_a, "bf16"_a, "amax"_a);
   m.def("check_replica", &check_replica, "ranks"_a, "digest"_a);

@@ -20,6 +20,7 @@
 
 #include "dte/detect/detect.hpp"
 #include "dte/error.hpp"
+#include "dte/io/model_config.hpp"
 #include "dte/layout/model.hpp"
 #include "dte/numeric/round.hpp"
 #include "dte/optim/adam.hpp"
@@ -268,4 +269,65 @@ TEST_CASE_FIXTURE(Single, "publication: the report names exactly the tensors eac
     if (a.touched.size() < static_cast<std::size_t>(pub.model().size())) ++partial;
   }
   CHECK(partial > 0);
+}
+
+TEST_CASE("publication: forward fields, normalised as transformers writes them") {
+  nlohmann::json base = io::config_json(layout::model_preset("tiny-qwen3"));
+  auto fields = [](const nlohmann::json& j) {
+    return *io::model_from_config_json(j, "config").forward;
+  };
+  nlohmann::json a = base, b = base;
+  a["rope_theta"] = 1000000;  // an integer in one file, a float in the other
+  b["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 1e6}};  // transformers 5
+  b["sliding_window"] = 4096;  // without use_sliding_window: full attention everywhere
+  b["use_sliding_window"] = false;
+  b["eos_token_id"] = 7;  // not the forward
+  CHECK(io::forward_difference(fields(a), fields(b), "a", "b") == std::nullopt);
+  b["use_sliding_window"] = true;
+  b["max_window_layers"] = 0;
+  CHECK(io::forward_difference(fields(a), fields(b), "a", "b")
+            .value_or("")
+            .starts_with("attention (a: null, b: "));
+  nlohmann::json c = a;
+  c["some_new_field"] = 2;  // unknown: compared, not ignored
+  CHECK(io::forward_difference(fields(a), fields(c), "a", "c") ==
+        "some_new_field (a: absent, c: 2.0)");
+  nlohmann::json d = a;
+  d["rope_scaling"] = {{"type", "linear"}, {"factor", 2}};
+  CHECK(io::forward_difference(fields(a), fields(d), "a", "d") ==
+        R"(rope_scaling (a: null, d: {"factor":2.0,"rope_type":"linear"}))");
+  CHECK_FALSE(layout::model_preset("tiny-qwen3").forward);  // a preset: not known
+}
+
+TEST_CASE("publication: a receiver refuses a publication whose forward fields differ") {
+  nlohmann::json trainer_config = io::config_json(layout::model_preset("tiny-qwen3"));
+  trainer_config["rope_theta"] = 1e6;
+  trainer_config["rms_norm_eps"] = 1e-6;
+  const layout::ModelSpec spec = io::model_from_config_json(trainer_config, "trainer");
+  Trainer tr{spec};
+  Pub pub{spec};
+  const Bytes full = publish(pub, tr, true);
+  for (const char* field : {"rope_theta", "rms_norm_eps"}) {
+    CAPTURE(field);
+    nlohmann::json engine_config = trainer_config;
+    engine_config[field] = std::string(field) == "rope_theta" ? 1e4 : 1e-5;
+    const layout::ModelSpec engine = io::model_from_config_json(engine_config, "engine");
+    HfTensors held{pub.model()};
+    publication::HfReceiver rx{engine, held.views};
+    try {
+      (void)rx.apply(full);
+      FAIL("a publication of another forward config was applied");
+    } catch (const protocol_error& e) {
+      const std::string what = e.what();
+      CHECK(what.find(std::string(field) + " (the trainer's config: ") != std::string::npos);
+    }
+    CHECK(rx.version() == no_version);
+    CHECK(held.data[0][0] == 0x7FC0);  // nothing written
+  }
+  // The same config, and a receiver that knows no forward fields (a preset), apply it.
+  HfTensors same{pub.model()}, preset{pub.model()};
+  publication::HfReceiver rx_same{spec, same.views};
+  publication::HfReceiver rx_preset{layout::model_preset("tiny-qwen3"), preset.views};
+  CHECK(rx_same.apply(full).committed());
+  CHECK(rx_preset.apply(full).committed());
 }

@@ -8,8 +8,9 @@
 // `tie_word_embeddings` absent is false, every supported config class's default. A field that
 // would change a layout in a way dte does not map (an o_proj or MLP bias, dense layers in an MoE
 // model, ...) is refused by name; everything else (rope, sliding window, dtype, token ids) does
-// not move an element and is ignored. Every integer is read as an integer within the limits of
-// dte/bounds.hpp; duplicate keys are refused.
+// not move an element: the fields among them that change the forward are kept, normalised, as
+// ModelSpec::forward (io/forward_config.hpp), for receivers to compare with a publication's. Every
+// integer is read as an integer within the limits of dte/bounds.hpp; duplicate keys are refused.
 #pragma once
 
 #include <cstdint>
@@ -22,6 +23,7 @@
 
 #include "dte/bounds.hpp"
 #include "dte/error.hpp"
+#include "dte/io/forward_config.hpp"
 #include "dte/io/json.hpp"
 #include "dte/layout/model.hpp"
 
@@ -133,6 +135,7 @@ inline layout::ModelSpec model_from_config_json(const nlohmann::json& j,
     m.tie_word_embeddings = r.boolean(*it, "tie_word_embeddings");
   }
   m.validate();
+  m.forward = forward_fields(j, *family, m.layers, source);
   return m;
 }
 

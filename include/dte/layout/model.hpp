@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -36,6 +37,9 @@ inline constexpr std::string_view supported_architectures =
     "Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM and "
     "MistralForCausalLM";
 
+// A config's forward-relevant fields, normalised (io/forward_config.hpp): field -> JSON text.
+using ForwardFields = std::map<std::string, std::string>;
+
 struct ModelSpec {
   std::string name;                   // preset name or config path, for messages
   std::string architecture;           // HF architectures[0]; see family_of
@@ -52,6 +56,9 @@ struct ModelSpec {
   // lm_head is embed_tokens: one HF tensor, one SGLang tensor, and on the Megatron side the
   // embedding (plus, with pp > 1, a copy as the last stage's output layer that never sends).
   bool tie_word_embeddings = false;
+  // The forward-relevant fields of the config.json this spec was read from (nullopt for a
+  // preset: not known). They move no element; receivers compare them with a publication's.
+  std::optional<ForwardFields> forward;
 
   [[nodiscard]] Family family() const {
     const std::optional<Family> f = family_of(architecture);

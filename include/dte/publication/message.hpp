@@ -8,6 +8,8 @@
 //   u32 LE n     the length of the header
 //   header       n bytes of JSON: {"format": "dte-publication-v1",
 //                                  "config": the model's config.json fields (io::config_json),
+//                                  "forward": its forward-relevant fields (io/forward_config.hpp;
+//                                             absent when the model came from a preset),
 //                                  "manifest": a storage manifest (storage/manifest.hpp)}
 //   chunks       the manifest's chunks, back to back, in its order (storage/chunk.hpp)
 //
@@ -18,7 +20,10 @@
 // a publication written to storage is its chunks as files plus its manifest, and a storage
 // version read back is a publication (publication/storage.hpp). The manifest's model is the
 // model's structure (ModelSpec::structure()), so two sides that name one model differently still
-// agree, and a receiver of another model refuses the message.
+// agree, and a receiver of another model refuses the message; a receiver bound to a config.json
+// whose forward fields (rope, norm eps, activation, attention window, ...) differ from the
+// message's refuses it too, naming the field and both values (config drift: the same weights,
+// another policy).
 //
 // decode() checks everything but the chunks' contents: the framing, the header (strictly, as
 // storage checks a manifest: every integer bounded, no unknown or duplicate keys), every chunk's
@@ -155,6 +160,7 @@ inline Bytes encode(const layout::ModelSpec& model, const storage::Manifest& man
   nlohmann::ordered_json h;
   h["format"] = what;
   h["config"] = io::config_json(model);
+  if (model.forward) h["forward"] = io::forward_json(*model.forward);
   h["manifest"] = nlohmann::ordered_json::parse(storage::manifest_json(manifest));
   if (fp8 != nullptr) h["fp8"] = fp8_json(*fp8);
   const std::string text = h.dump();
@@ -187,7 +193,8 @@ inline Bytes encode(const layout::ModelSpec& model, const storage::Manifest& man
 // learnt its model yet reads first. what: the format expected ("": any whole publication).
 struct Envelope {
   nlohmann::json config;
-  nlohmann::json manifest;          // parsed (strictly), not yet read
+  std::optional<io::ForwardFields> forward;  // the sender's model's, where it knew them
+  nlohmann::json manifest;                   // parsed (strictly), not yet read
   nlohmann::json fp8;               // an FP8 publication's section (null otherwise), not yet read
   std::span<const std::byte> body;  // the chunks (and an FP8 publication's parts)
 };
@@ -228,9 +235,9 @@ inline Envelope envelope(std::span<const std::byte> bytes, const std::string& so
                        "with the receivers' recipe and TP size");
   }
   if (what == fp8_format) {
-    storage::detail::only_keys(r, h, {"format", "config", "manifest", "fp8"}, "");
+    storage::detail::only_keys(r, h, {"format", "config", "forward", "manifest", "fp8"}, "");
   } else {
-    storage::detail::only_keys(r, h, {"format", "config", "manifest"}, "");
+    storage::detail::only_keys(r, h, {"format", "config", "forward", "manifest"}, "");
   }
   if (f != what) {
     if (f == part_format) {
@@ -245,6 +252,9 @@ inline Envelope envelope(std::span<const std::byte> bytes, const std::string& so
   Envelope e;
   e.config = r.member(h, "config", "");
   if (!e.config.is_object()) r.fail("config", "is not an object");
+  if (const auto it = h.find("forward"); it != h.end()) {
+    e.forward = io::forward_from_json(*it, source);
+  }
   if (!r.member(h, "manifest", "").is_object()) r.fail("manifest", "is not an object");
   e.manifest = std::move(h["manifest"]);  // (present: member() checked it)
   if (what == fp8_format) {
@@ -253,6 +263,23 @@ inline Envelope envelope(std::span<const std::byte> bytes, const std::string& so
   }
   e.body = bytes.subspan(magic.size() + 4 + n);
   return e;
+}
+
+// A message's forward fields against those of the config the receiver is bound to (where both
+// are known): the same structure computing another function is refused, naming the field.
+inline void check_forward(const Envelope& e, const layout::ModelSpec& mine,
+                          const std::string& source) {
+  if (!e.forward || !mine.forward) return;
+  if (const auto d = io::forward_difference(*e.forward, *mine.forward, "the trainer's config",
+                                            "this receiver's config")) {
+    throw protocol_error(source +
+                         ": the publication's model computes differently from the one "
+                         "this receiver serves: " +
+                         *d +
+                         ". Serve the trainer's config.json (or "
+                         "publish with the engine's), so that the engine samples from the "
+                         "trainer's policy");
+  }
 }
 
 // A message checked against the receiver's model: the manifest, and each chunk's bytes.
@@ -268,6 +295,7 @@ inline View decode(const layout::HfModel& hf, std::span<const std::byte> bytes,
   Envelope e = envelope(bytes, source, what);
   View v;
   v.manifest = storage::manifest_from_json(e.manifest, source + " manifest", hf);
+  check_forward(e, hf.spec(), source);
   std::size_t at = 0;
   for (std::size_t k = 0; k < v.manifest.chunks.size(); ++k) {
     const storage::ChunkEntry& c = v.manifest.chunks[k];

@@ -168,6 +168,15 @@ class Core {
     return c;
   }
 
+  // What a trainer that restarted does about it (docs/python.md, "Restarts").
+  static std::string restarted_hint(Version held) {
+    return "A restarted trainer continues the numbering: TorchPublisher(..., continue_after=" +
+           std::to_string(held) +
+           ") (publication::Publisher::continue_after in C++); the "
+           "version an engine holds: rx.version, dte.vllm.version(llm or url), "
+           "dte.sglang.version(engine or url)";
+  }
+
   // The version chain, for a publication (or repair) of `kind` and `version` on `base`: true
   // when it is a re-delivery of the version held (nothing to do); throws protocol_error when it
   // may not be applied to what this receiver holds.
@@ -188,7 +197,8 @@ class Core {
     }
     if (version_ != no_version && version < version_) {
       refuse("version " + std::to_string(version) + " is older than the version " +
-             std::to_string(version_) + " this receiver holds; a receiver never moves backwards");
+             std::to_string(version_) + " this receiver holds; a receiver never moves backwards. " +
+             restarted_hint(version_));
     }
     if (version_ != no_version && version == version_) return true;
     if (kind == MessageKind::delta || kind == MessageKind::noop) {

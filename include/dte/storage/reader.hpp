@@ -38,6 +38,7 @@
 #include "dte/io/safetensors.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/serving.hpp"
+#include "dte/receive/core.hpp"
 #include "dte/receive/replica.hpp"
 #include "dte/receive/route.hpp"
 #include "dte/receive/staged.hpp"
@@ -193,7 +194,8 @@ class Reader {
       const Version held = dirty_ ? no_version : version();
       if (held != no_version && target < held) {
         throw protocol_error("version " + std::to_string(target) + " is older than the version " +
-                             std::to_string(held) + " held; a reader never moves backwards");
+                             std::to_string(held) + " held; a reader never moves backwards. " +
+                             receive::Core::restarted_hint(held));
       }
       if (held == target) return rep;
       const std::vector<Manifest> chain = chain_to(*hf_, root_, target, held, cfg_.max_chain);
