@@ -34,9 +34,10 @@ LOADER = "dte.sglang.load"
 PUBLICATION = "dte.publication"  # the message's bytes, as a torch.uint8 tensor
 STORAGE = "dte.storage"          # a storage root's path (UTF-8), as a torch.uint8 tensor
 REPORTS = "dte.reports"          # where each worker writes its report: {"dir", "token"} (JSON)
+STATUS = "dte.status"            # no update: each worker only reports (dte.sglang.version)
 
-__all__ = ["LOADER", "PUBLICATION", "STORAGE", "REPORTS", "load", "report", "payload",
-           "for_engine", "update", "update_server", "read_reports"]
+__all__ = ["LOADER", "PUBLICATION", "STORAGE", "REPORTS", "STATUS", "load", "report", "payload",
+           "for_engine", "update", "update_server", "read_reports", "version"]
 
 _log = logging.getLogger("dte.sglang")
 
@@ -181,16 +182,19 @@ def load(model, named_tensors) -> None:
         items = list(named_tensors)
         names = [n for n, _ in items]
         where = next((_where(_text(t, REPORTS)) for n, t in items if n == REPORTS), None)
-        given = [n for n in names if n in (PUBLICATION, STORAGE)]
-        unknown = sorted(set(names) - {PUBLICATION, STORAGE, REPORTS})
+        given = [n for n in names if n in (PUBLICATION, STORAGE, STATUS)]
+        unknown = sorted(set(names) - {PUBLICATION, STORAGE, STATUS, REPORTS})
         if unknown or len(given) != 1 or len(names) != len(set(names)):
             raise dte.InvalidArgument(
-                f"dte.sglang.load: got tensors {names}; give exactly one of {PUBLICATION!r} and "
-                f"{STORAGE!r}, and optionally {REPORTS!r} (dte.sglang.payload makes them)")
+                f"dte.sglang.load: got tensors {names}; give exactly one of {PUBLICATION!r}, "
+                f"{STORAGE!r} and {STATUS!r}, and optionally {REPORTS!r} (dte.sglang.payload "
+                "makes them)")
         value = dict(items)[given[0]]
         if worker.receiver is None:
             _bind(worker, model)
-        if given[0] == PUBLICATION:
+        if given[0] == STATUS:
+            pass  # (the report below says what this worker holds)
+        elif given[0] == PUBLICATION:
             reports.append(worker.receiver.apply(_bytes(value, PUBLICATION)))
         else:
             root = _text(value, STORAGE)
@@ -212,9 +216,13 @@ def load(model, named_tensors) -> None:
     if refused is not None:
         held = None if worker.receiver is None else worker.receiver.version
         _log.error("%s (TP rank %d; it holds version %s)", refused, worker.rank, held)
+    committed = [r for r in reports if r["outcome"] == "committed"]
     worker.last = {
         "rank": worker.rank,
         "tp": worker.tp,
+        # as a receiver's: 'refused', 'committed' (something new applied), or 'current' (a
+        # re-delivery of the version held, nothing new in a storage root, or a status query)
+        "outcome": "refused" if refused is not None else "committed" if committed else "current",
         "version": None if worker.receiver is None else worker.receiver.version,
         "applied": [r["version"] for r in reports if r["outcome"] == "committed"],
         "full": any(r["full"] for r in reports),
@@ -241,8 +249,9 @@ def _where(text: str) -> dict:
 
 
 def report(model) -> Optional[dict]:
-    """What the last load() on this model did (in the worker's process): rank, tp, version,
-    applied, full, changed, bytes, seconds, refused (None, or the dte error's text)."""
+    """What the last load() on this model did (in the worker's process): rank, tp, outcome
+    ('committed', 'current', 'refused'), version, applied, full, changed, bytes, seconds,
+    refused (None, or the dte error's text)."""
     worker = _workers.get(model)
     return None if worker is None else worker.last
 
@@ -250,18 +259,23 @@ def report(model) -> Optional[dict]:
 # ---------------------------------------------------------------- the trainer side
 
 def payload(publication: Optional[bytes] = None, storage=None, reports=None,
-            token: str = "") -> list:
+            token: str = "", status: bool = False) -> list:
     """The named tensors of one update: [("dte.publication", uint8 tensor)] or
-    [("dte.storage", ...)], plus ("dte.reports", ...) when reports (a directory) is given: each
-    worker then writes its report there as tp<rank>.json, carrying `token`."""
+    [("dte.storage", ...)] (or, with status=True, [("dte.status", ...)]: no update, each worker
+    only reports), plus ("dte.reports", ...) when reports (a directory) is given: each worker
+    then writes its report there as tp<rank>.json, carrying `token`."""
     import torch
 
     def as_tensor(b: bytes):
         return torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.zeros(0, dtype=torch.uint8)
 
-    if (publication is None) == (storage is None):
+    if status:
+        if publication is not None or storage is not None:
+            raise dte.InvalidArgument("dte.sglang: a status query carries no publication or storage")
+        items = [(STATUS, as_tensor(b""))]
+    elif (publication is None) == (storage is None):
         raise dte.InvalidArgument("dte.sglang: give exactly one of publication= (bytes) and storage= (a root)")
-    if publication is not None:
+    elif publication is not None:
         if not isinstance(publication, (bytes, bytearray)):
             raise TypeError(f"publication must be the bytes a TorchPublisher returned, not {type(publication).__name__}")
         items = [(PUBLICATION, as_tensor(bytes(publication)))]
@@ -318,7 +332,7 @@ def _checked(reports: List[Optional[dict]], where: str) -> List[dict]:
 
 
 def update(engine, publication: Optional[bytes] = None, storage=None, reports=None,
-           flush_cache: bool = True) -> List[dict]:
+           flush_cache: bool = True, status: bool = False) -> List[dict]:
     """One publication (or a storage root's chain) into an sglang.Engine started with
     custom_weight_loader=["dte.sglang.load"]: begin_weight_update -> update_weights_from_tensor
     -> end_weight_update. Returns the TP workers' reports; a refusal raises the worker's dte
@@ -329,7 +343,7 @@ def update(engine, publication: Optional[bytes] = None, storage=None, reports=No
     try:
         token = _token()
         tp = int(engine.server_args.tp_size)
-        items = for_engine(payload(publication, storage, directory, token), tp)
+        items = for_engine(payload(publication, storage, directory, token, status), tp)
         begun = engine.begin_weight_update()
         if isinstance(begun, tuple) and not begun[0]:
             raise dte.ProtocolError(f"dte.sglang: SGLang refused to begin a weight update: {begun[1]}")
@@ -359,7 +373,8 @@ def _post(url: str, route: str, body: dict, timeout: float) -> dict:
 
 
 def update_server(url: str, publication: Optional[bytes] = None, storage=None, reports=None,
-                  tp: Optional[int] = None, flush_cache: bool = True, timeout: float = 600.0):
+                  tp: Optional[int] = None, flush_cache: bool = True, timeout: float = 600.0,
+                  status: bool = False):
     """The same over a server's HTTP routes (/begin_weight_update, /update_weights_from_tensor,
     /end_weight_update). The named tensors travel as plain pickled bytes (base64), which SGLang's
     safe unpickler accepts, so the trainer need not share the server's host. tp: the server's
@@ -369,7 +384,7 @@ def update_server(url: str, publication: Optional[bytes] = None, storage=None, r
         with urllib.request.urlopen(url.rstrip("/") + "/get_server_info", timeout=timeout) as r:
             tp = int(json.loads(r.read())["tp_size"])
     token = _token()
-    items = payload(publication, storage, reports, token)
+    items = payload(publication, storage, reports, token, status)
     blob = base64.b64encode(pickle.dumps(items)).decode("ascii")
     begun = _post(url, "/begin_weight_update", {}, timeout)
     if not begun.get("success", False):
@@ -384,3 +399,30 @@ def update_server(url: str, publication: Optional[bytes] = None, storage=None, r
     if not result.get("success", False):
         raise dte.ProtocolError(f"dte.sglang: {url} update_weights_from_tensor failed: {result.get('message')}")
     return reps
+
+
+def version(engine, reports=None, timeout: float = 600.0) -> Optional[int]:
+    """The version every TP worker holds (None: nothing yet): an sglang.Engine, or a server's
+    URL (then reports: a directory the server's workers and this process both reach; default a
+    temporary one, for a server on this host). It asks through the loader without updating
+    (a "dte.status" payload). What a restarted trainer gives TorchPublisher(...,
+    continue_after=...). Raises dte.ProtocolError when the workers disagree."""
+    if isinstance(engine, str):
+        own = reports is None
+        directory = tempfile.mkdtemp(prefix="dte-sglang-") if own else os.fspath(reports)
+        try:
+            reps = update_server(engine, reports=directory, status=True, flush_cache=False,
+                                 timeout=timeout)
+        finally:
+            if own:
+                for name in os.listdir(directory):
+                    os.unlink(os.path.join(directory, name))
+                os.rmdir(directory)
+    else:
+        reps = update(engine, reports=reports, status=True, flush_cache=False)
+    held = sorted({r["version"] for r in reps}, key=lambda v: -1 if v is None else v)
+    if len(held) != 1:
+        raise dte.ProtocolError(
+            f"dte.sglang.version: the TP workers hold different versions {held}; send a full "
+            "publication (pub.publish_full())")
+    return held[0]

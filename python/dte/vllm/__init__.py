@@ -23,7 +23,8 @@ from typing import List, Optional
 
 BACKEND = "dte"
 
-__all__ = ["BACKEND", "register", "init", "update", "reports", "update_server", "server_reports"]
+__all__ = ["BACKEND", "register", "init", "update", "reports", "version", "update_server",
+           "server_reports"]
 
 
 def register() -> None:
@@ -31,11 +32,29 @@ def register() -> None:
     module is imported only when a worker builds it)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+    _request_amx()
+
     try:
         WeightTransferEngineFactory.register_engine(
             BACKEND, "dte.vllm.engine", "DteWeightTransferEngine")
     except ValueError:
         pass  # registered already (plugins load once per process, but a user may call this too)
+
+
+def _request_amx() -> None:
+    """Where the CPU has AMX, asks Linux for the AMX tile state in this process
+    (torch.cpu._init_amx: arch_prctl ARCH_REQ_XCOMP_PERM). vLLM 0.32's CPU platform picks its
+    AMX attention kernels when the CPU has AMX, but a spawned worker process never asks for the
+    tile state itself, so its first AMX instruction dies with SIGILL (seen on this project's CI machines,
+    stock engine or not). The plugin runs in every vLLM process: the request is one system
+    call, and nothing where the CPU has no AMX."""
+    try:
+        import torch
+
+        if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+            torch.cpu._init_amx()
+    except Exception:  # noqa: BLE001 -- never stop vLLM from starting over this
+        pass
 
 
 def _update_info(publication, storage) -> dict:
@@ -61,11 +80,34 @@ def init(llm, **init_info) -> None:
 
 
 def reports(llm) -> List[Optional[dict]]:
-    """Per worker, what its last update did: version, applied, full, changed, bytes, seconds
-    (apply_seconds + repack_seconds), repacked, rank, refused."""
+    """Per worker, what its last update did: outcome ('committed', 'current' for a re-delivery
+    of the version held or nothing new in a storage root, 'refused'), version, applied, full,
+    changed, bytes, seconds (apply_seconds + repack_seconds), repacked, rank, refused."""
     # The worker's engine object answers (DteWeightTransferEngine.__call__): a method by name,
     # so it works across processes without pickled callables.
     return llm.collective_rpc("weight_transfer_engine", args=("report",))
+
+
+def version(engine, timeout: float = 60.0) -> Optional[int]:
+    """The version every worker of `engine` holds (None: nothing yet): an LLM, or a server's
+    URL (its /collective_rpc route, VLLM_SERVER_DEV_MODE=1). What a restarted trainer gives
+    TorchPublisher(..., continue_after=...). Raises dte.ProtocolError when the workers disagree
+    (send a full publication)."""
+    import dte
+
+    if isinstance(engine, str):
+        got = _post(engine, "/collective_rpc",
+                    {"method": "weight_transfer_engine", "args": ["version"]}, timeout)
+        held = got.get("results", [])
+    else:
+        held = engine.collective_rpc("weight_transfer_engine", args=("version",))
+    if not held:
+        raise dte.ProtocolError("dte.vllm.version: the engine answered no worker")
+    if len(set(held)) != 1:
+        raise dte.ProtocolError(
+            f"dte.vllm.version: the workers hold different versions {held}; send a full "
+            "publication (pub.publish_full())")
+    return held[0]
 
 
 def update(llm, publication: Optional[bytes] = None, storage=None) -> List[Optional[dict]]:

@@ -8,12 +8,13 @@ qkv_proj and gate_up_proj, the vocabulary padded to 64 and split by rows). updat
 one publication ({"publication": bytes}) or a storage root's chain to LATEST ({"storage": root})
 in place, transactionally: a refusal raises before anything is written.
 
-vLLM's CPU platform computes linear layers (and lm_head) from packed copies made at load time
-(dispatch_cpu_unquantized_gemm), and empties the linear parameters. This engine keeps the BF16
-weights live as the parameters (the receiver's tensors) and, after each commit, re-packs only the
-layers the publication wrote, through vLLM's own dispatch: the engine computes exactly as a fresh
-engine loaded with those weights. docs/vllm.md has the figures (memory: one more BF16 copy of the
-linear weights; time: the re-pack of the touched layers).
+vLLM's CPU platform computes linear layers (and lm_head, tied or not) from copies made at load
+time (dispatch_cpu_unquantized_gemm packs the weights and empties the linear parameters; AMX
+kernels take small layers' biases in FP32). This engine keeps the BF16 weights live as the
+receiver's tensors and, after each commit, refreshes every copy whose source the publication
+wrote, found from the modules themselves (a tied lm_head is re-packed when the embedding is
+written), through vLLM's own dispatch: the engine computes exactly as a fresh engine loaded
+with those weights. docs/vllm.md has the story and the figures.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import base64
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -118,6 +119,40 @@ def _live_parameter(module: torch.nn.Module, data: torch.Tensor) -> torch.nn.Par
     return p
 
 
+def _derived_copies(model: torch.nn.Module, tensors: Dict[str, torch.Tensor],
+                    shadows: Dict[str, torch.Tensor],
+                    params: Dict[str, torch.Tensor]) -> Dict[str, List[Callable[[], None]]]:
+    """Per tensor dte writes, how to refresh every copy of it that the engine computes with:
+    found from the modules themselves, not from the names dte writes. On vLLM's CPU platform a
+    module with `cpu_linear` computes from a copy of its weight packed at load; the source is
+    the weight's storage, so a tied lm_head (its weight is embed_tokens') is re-packed when the
+    embedding is written. A packed module whose weight is no tensor dte writes would serve a
+    stale copy: refused. An FP32 bias (shadows) is copied from dte's BF16 tensor."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    by_storage = {t.untyped_storage().data_ptr(): name for name, t in tensors.items()}
+    refresh: Dict[str, List[Callable[[], None]]] = {name: [] for name in tensors}
+    seen = set()
+    for mname, m in model.named_modules(remove_duplicate=False):
+        if id(m) in seen or not hasattr(m, "cpu_linear"):
+            continue
+        seen.add(id(m))
+        w = getattr(m, "weight", None)
+        if not isinstance(w, torch.Tensor) or w.is_meta:
+            continue
+        source = by_storage.get(w.untyped_storage().data_ptr()) if w.numel() else None
+        if source is None:
+            raise dte.UnsupportedError(
+                f"dte vLLM backend: {mname or 'the model'} computes from a packed copy of a "
+                f"weight dte does not write ({type(m).__name__}, weight {tuple(w.shape)}); it "
+                "would keep serving the weights it was loaded with")
+        # vLLM's own dispatch, keeping the parameter (dte's tensor) live
+        refresh[source].append(lambda m=m: dispatch_cpu_unquantized_gemm(m, remove_weight=False))
+    for name, shadow in shadows.items():
+        refresh[name].append(lambda dst=params[name].data, src=shadow: dst.copy_(src))
+    return refresh
+
+
 class DteWeightTransferEngine(WeightTransferEngine[DteInitInfo, DteUpdateInfo]):
     init_info_cls = DteInitInfo
     update_info_cls = DteUpdateInfo
@@ -127,7 +162,8 @@ class DteWeightTransferEngine(WeightTransferEngine[DteInitInfo, DteUpdateInfo]):
         super().__init__(config, vllm_config, device, model)
         self.receiver: Optional[dte.TorchReceiver] = None
         self.rank = 0
-        self._packed: Dict[str, torch.nn.Module] = {}  # tensor -> a layer computing from a packed copy
+        # dte's tensor -> how to bring every copy the engine computes with from it up to date
+        self._refresh: Dict[str, List[Callable[[], None]]] = {}
         self._readers: Dict[str, dte.StorageReader] = {}
         self._reader_name = ""
         self.last: Optional[dict] = None
@@ -141,7 +177,8 @@ class DteWeightTransferEngine(WeightTransferEngine[DteInitInfo, DteUpdateInfo]):
             # recorded by every worker, raised by one (_raises), as a refused update is
             refused = _named(e)
             self.receiver = None
-            self.last = {"rank": self.rank, "version": None, "refused": str(refused)}
+            self.last = {"rank": self.rank, "version": None, "outcome": "refused",
+                         "refused": str(refused)}
             if self._raises:
                 raise refused from None
 
@@ -155,30 +192,63 @@ class DteWeightTransferEngine(WeightTransferEngine[DteInitInfo, DteUpdateInfo]):
         tp = init_info.tp or self.parallel_config.tensor_parallel_size
         rank = init_info.rank if init_info.rank is not None else get_tensor_model_parallel_rank()
         self.rank = rank
-        config = init_info.config if init_info.config is not None else _served_config(self.model_config)
+        engine_config = _served_config(self.model_config)
+        config = init_info.config if init_info.config is not None else engine_config
         if isinstance(config, str) and os.path.isdir(config):
             config = os.path.join(config, "config.json")
+        # The config the receiver is bound to must make the model the engine computes with
+        # (vLLM's hf_config, overrides included): the same structure and forward fields.
+        differs = dte._native.config_difference(
+            dte._config_text(config), dte._config_text(self.model_config.hf_config.to_dict()),
+            "the config given to dte", "the engine's config")
+        if differs:
+            raise dte.InvalidArgument(
+                f"dte vLLM backend: the config given to dte and the model vLLM serves differ in "
+                f"{differs}; give init the served model's config (or serve the trainer's)")
         shapes = dte.TorchReceiver.shard_tensors(config, f"tp={tp}", rank)
         params = dict(self.model.named_parameters())
         modules = {name: self.model.get_submodule(name.rpartition(".")[0]) for name in shapes}
-        # Every parameter checked before any is touched; vLLM's CPU platform packs the linear
-        # layers and empties their parameters.
-        emptied = dte._check_served(
+
+        def served_from_copy(name, p):
+            """Whether vLLM's CPU platform serves parameter `name` from a copy it made at load:
+            'emptied' (a linear weight packed, the parameter emptied) or 'fp32' (a bias its
+            AMX kernels take as FP32, converted in place)."""
+            if not hasattr(modules[name], "cpu_linear"):
+                return None
+            if name.endswith(".weight") and p.numel() == 0 and p.dtype == torch.bfloat16:
+                return "emptied"
+            if (name.endswith(".bias") and p.dtype == torch.float32
+                    and tuple(p.shape) == tuple(shapes[name]) and p.is_contiguous()):
+                return "fp32"
+            return None
+
+        # Every parameter checked before any is touched.
+        copied = dte._check_served(
             params, shapes, "dte vLLM backend", f"TP rank {rank} of tp={tp}", "dtype='bfloat16'",
-            packed=lambda name, p: (p.numel() == 0 and hasattr(modules[name], "cpu_linear")
-                                    and p.dtype == torch.bfloat16))
+            packed=lambda name, p: served_from_copy(name, p) is not None)
         # dte's tensor becomes each emptied parameter again; the packed copy serves until a
-        # publication writes that layer.
+        # publication writes that layer. An FP32 bias gets a BF16 tensor for dte to write, copied
+        # into the bias after each commit that writes it (exactly: BF16 values are FP32 values).
         live_bytes = 0
-        for name in emptied:
+        shadows: Dict[str, torch.Tensor] = {}
+        for name in copied:
             module = modules[name]
-            module.weight = _live_parameter(module, torch.zeros(shapes[name], dtype=torch.bfloat16))
-            live_bytes += module.weight.numel() * module.weight.element_size()
+            if served_from_copy(name, params[name]) == "emptied":
+                module.weight = _live_parameter(module, torch.zeros(shapes[name], dtype=torch.bfloat16))
+                live_bytes += module.weight.numel() * module.weight.element_size()
+            else:
+                bias = params[name].data
+                shadow = bias.to(torch.bfloat16)
+                if not torch.equal(shadow.float(), bias):
+                    raise dte.UnsupportedError(
+                        f"dte vLLM backend: {name} holds FP32 values that are not BF16 ones "
+                        f"(TP rank {rank}); dte writes BF16 (serve with dtype='bfloat16')")
+                shadows[name] = shadow
+                live_bytes += shadow.numel() * shadow.element_size()
         params = dict(self.model.named_parameters())
-        tensors = {name: params[name].data for name in shapes}
-        packed = {name: m for name, m in modules.items() if hasattr(m, "cpu_linear")}
+        tensors = {name: shadows.get(name, params[name].data) for name in shapes}
+        self._refresh = _derived_copies(self.model, tensors, shadows, params)
         self.receiver = dte.TorchReceiver(tensors, config=config, infer=f"tp={tp}", rank=rank)
-        self._packed = packed
         self.live_bytes = live_bytes
         self._readers = {}
         self._reader_name = init_info.reader if init_info.reader is not None else f"vllm-tp{rank}"
@@ -224,8 +294,13 @@ class DteWeightTransferEngine(WeightTransferEngine[DteInitInfo, DteUpdateInfo]):
             t1 = time.perf_counter()
             repacked = self._repack(reports)
             t2 = time.perf_counter()
+            committed = [r for r in reports if r["outcome"] == "committed"]
             self.last = {
                 "rank": self.rank,
+                # as a receiver's: 'refused', 'committed' (something new applied), or 'current'
+                # (a re-delivery of the version held, or a storage root with nothing new)
+                "outcome": ("refused" if refused is not None else
+                            "committed" if committed else "current"),
                 "version": None if self.receiver is None else self.receiver.version,
                 "applied": [r["version"] for r in reports if r["outcome"] == "committed"],
                 "full": any(r["full"] for r in reports),
@@ -255,20 +330,19 @@ class DteWeightTransferEngine(WeightTransferEngine[DteInitInfo, DteUpdateInfo]):
         return group.rank_in_group == group.world_size - 1
 
     def _repack(self, reports: List[dict]) -> int:
-        """Re-packs, from the tensors dte holds, every packed layer a committed publication wrote
-        (the others' packed copies still hold what their tensors hold)."""
+        """Brings up to date, from the tensors dte holds, every copy the engine computes with
+        whose source a committed publication wrote (packed layers, FP32 biases); the others
+        still hold what their sources hold. Returns how many copies it refreshed."""
         touched = set()
         for r in reports:
             if r["outcome"] == "committed":
-                touched.update(n for n in r["touched"] if n in self._packed)
-        if not touched:
-            return 0  # (GPU platforms pack nothing: the kernels read the parameters dte wrote)
-        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
+                touched.update(r["touched"])
+        done = 0
         for name in sorted(touched):
-            # vLLM's own dispatch, keeping the parameter (dte's tensor) live
-            dispatch_cpu_unquantized_gemm(self._packed[name], remove_weight=False)
-        return len(touched)
+            for refresh in self._refresh.get(name, ()):
+                refresh()
+                done += 1
+        return done  # (GPU platforms keep no copies: the kernels read the parameters dte wrote)
 
     def __call__(self, what: str = "report"):
         """Reached through collective_rpc("weight_transfer_engine", args=(what,)) (dte.vllm.reports):
@@ -278,10 +352,14 @@ class DteWeightTransferEngine(WeightTransferEngine[DteInitInfo, DteUpdateInfo]):
         if what == "report":
             return self.last
         if what == "memory":
-            return {"live_bytes": self.live_bytes, "packed_layers": len(self._packed)}
+            return {"live_bytes": self.live_bytes,
+                    "packed_layers": sum(len(v) for v in self._refresh.values())}
+        if what == "version":
+            return None if self.receiver is None else self.receiver.version
         if what == "digest":
             return list(self.receiver.digest()) if self.receiver is not None else []
-        raise ValueError(f"dte vLLM backend: unknown query {what!r} ('report' or 'digest')")
+        raise ValueError(f"dte vLLM backend: unknown query {what!r} ('report', 'digest', "
+                         "'memory' or 'version')")
 
     def shutdown(self) -> None:
         self._readers = {}

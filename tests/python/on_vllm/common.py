@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What the vLLM tests share: a tiny Qwen3 (transformers' own Qwen3ForCausalLM, FP32, the
-trainer) whose vocabulary vLLM pads (1000 -> 1024), its checkpoints (config.json + BF16
+"""What the vLLM tests share: tiny models of each family dte serves to vLLM (transformers' own
+Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM, FP32, the trainer; tied and untied
+embeddings) whose vocabulary vLLM pads (1000 -> 1024), their checkpoints (config.json + BF16
 safetensors, written here: no hub), a deterministic AdamW training loop, the tensors vLLM's TP
 rank should hold (sliced here, independently of dte's layout code), and greedy generation."""
 import hashlib
@@ -24,6 +25,20 @@ CONFIG = dict(
     rms_norm_eps=1e-6,
     rope_theta=10000.0,
 )
+# family -> (transformers class, config overrides). qwen2-tied: Qwen2.5-0.5B's kind (q/k/v
+# biases, tied embeddings, no q/k norm); llama: no biases, no q/k norm, head_dim derived
+# (hidden / heads = 32: vLLM's CPU attention has no kernel for 16).
+FAMILIES = {
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", {}),
+    "qwen3-tied": ("Qwen3ForCausalLM", "Qwen3Config", dict(tie_word_embeddings=True)),
+    "qwen2-tied": ("Qwen2ForCausalLM", "Qwen2Config",
+                   dict(architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True,
+                        head_dim=None, num_attention_heads=2, num_key_value_heads=1,
+                        rope_theta=1000000.0)),
+    "llama": ("LlamaForCausalLM", "LlamaConfig",
+              dict(architectures=["LlamaForCausalLM"], head_dim=None, num_attention_heads=2,
+                   num_key_value_heads=1, rms_norm_eps=1e-5)),
+}
 # (the last is longer than a KV block: the prefix cache holds its blocks from one version to the next)
 PROMPTS = [[1, 2, 3, 4], [17, 400, 3, 999, 512], [7] * 9, [250, 251, 252], list(range(100, 900, 20))]
 # Small CPU engines: eager, no tokenizer (token ids in and out), a small KV cache in blocks of
@@ -36,9 +51,17 @@ def qwen3_config(**overrides):
     return transformers.Qwen3Config(**{**CONFIG, **overrides})
 
 
-def make_trainer(seed=0, **overrides):
+def family_config(family="qwen3", **overrides):
+    model_cls, config_cls, extra = FAMILIES[family]
+    fields = {**CONFIG, **extra, **overrides}
+    fields = {k: v for k, v in fields.items() if v is not None}
+    return getattr(transformers, config_cls)(**fields)
+
+
+def make_trainer(seed=0, family="qwen3", **overrides):
     torch.manual_seed(seed)
-    return transformers.Qwen3ForCausalLM(qwen3_config(**overrides)).float()
+    config = family_config(family, **overrides)
+    return getattr(transformers, FAMILIES[family][0])(config).float()
 
 
 def adamw(model, lr=1e-5):
@@ -65,7 +88,7 @@ def train_step(model, optimizer, step):
 
 def write_checkpoint(model, path):
     """config.json + model.safetensors holding the model's BF16 weights."""
-    bf16 = transformers.Qwen3ForCausalLM(model.config).to(torch.bfloat16)
+    bf16 = type(model)(model.config).to(torch.bfloat16)
     with torch.no_grad():
         for (n, p), (_, q) in zip(bf16.named_parameters(), model.named_parameters()):
             p.copy_(q.detach().to(torch.bfloat16))
@@ -74,11 +97,12 @@ def write_checkpoint(model, path):
 
 
 def vllm_rank_tensors(model, tp, rank):
-    """TP rank `rank`'s parameters as vLLM's Qwen3 holds them, from the trainer's BF16 weights:
-    QKVParallelLinear (this rank's q heads, then k, then v), MergedColumnParallelLinear (gate
-    rows, then up), RowParallelLinear (o, down: columns), ParallelLMHead and
-    VocabParallelEmbedding (the vocabulary padded with zero rows to a multiple of 64, then
-    split by rows), norms replicated."""
+    """TP rank `rank`'s parameters as vLLM's Qwen3 / Qwen2 / Llama hold them, from the trainer's
+    BF16 weights: QKVParallelLinear (this rank's q heads, then k, then v; Qwen2's biases alike),
+    MergedColumnParallelLinear (gate rows, then up), RowParallelLinear (o, down: columns),
+    ParallelLMHead and VocabParallelEmbedding (the vocabulary padded with zero rows to a
+    multiple of 64, then split by rows; a tied lm_head is the embedding's parameter, so vLLM
+    lists only the embedding), norms replicated."""
     c = model.config
     w = {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
 
@@ -96,19 +120,24 @@ def vllm_rank_tensors(model, tp, rank):
         return rows(full)
 
     out = {"model.embed_tokens.weight": vocab(w["model.embed_tokens.weight"]),
-           "lm_head.weight": vocab(w["lm_head.weight"]),
            "model.norm.weight": w["model.norm.weight"]}
+    if not c.tie_word_embeddings:
+        out["lm_head.weight"] = vocab(w["lm_head.weight"])
     for L in range(c.num_hidden_layers):
         a = f"model.layers.{L}."
         out[a + "self_attn.qkv_proj.weight"] = torch.cat(
             [rows(w[a + f"self_attn.{x}_proj.weight"]) for x in "qkv"])
+        if a + "self_attn.q_proj.bias" in w:
+            out[a + "self_attn.qkv_proj.bias"] = torch.cat(
+                [rows(w[a + f"self_attn.{x}_proj.bias"]) for x in "qkv"])
         out[a + "self_attn.o_proj.weight"] = cols(w[a + "self_attn.o_proj.weight"])
         out[a + "mlp.gate_up_proj.weight"] = torch.cat(
             [rows(w[a + "mlp.gate_proj.weight"]), rows(w[a + "mlp.up_proj.weight"])])
         out[a + "mlp.down_proj.weight"] = cols(w[a + "mlp.down_proj.weight"])
         for n in ("self_attn.q_norm.weight", "self_attn.k_norm.weight",
                   "input_layernorm.weight", "post_attention_layernorm.weight"):
-            out[a + n] = w[a + n]
+            if a + n in w:
+                out[a + n] = w[a + n]
     return out
 
 
@@ -118,14 +147,16 @@ def sha256(t):
 
 def parameter_mismatches(llm, model, tp):
     """The names of the engine's parameters (every worker, vLLM's own compute_weight_checksums)
-    that differ from the trainer's BF16 weights; [] when every one is equal bit for bit."""
+    that differ from the trainer's BF16 weights; [] when every one is equal bit for bit (a
+    bias vLLM's CPU AMX kernels hold in FP32: equal to the BF16 value converted)."""
     bad = []
     for rank, sums in enumerate(llm.collective_rpc("compute_weight_checksums")):
         expected = vllm_rank_tensors(model, tp, rank)
         got = {k.rsplit(":", 1)[1]: v for k, v in sums.items()}
         if set(got) != set(expected):
             bad.append(f"rank {rank}: parameters {sorted(set(got) ^ set(expected))}")
-        bad += [f"rank {rank}: {n}" for n in expected if got.get(n) != sha256(expected[n])]
+        bad += [f"rank {rank}: {n}" for n, t in expected.items()
+                if got.get(n) not in (sha256(t), sha256(t.float()))]
     return bad
 
 

@@ -8,8 +8,13 @@ reference.py), and saves the trainer's BF16 checkpoint for that version. With --
 kind of refused publication must raise with its reason and leave generation and parameters
 exactly as they were.
 
-    python scenario.py OUT [--mode inproc|mp] [--every K] [--publications N] [--tp T]
-                           [--storage] [--refusals]
+    python scenario.py OUT [--family F] [--mode inproc|mp] [--every K] [--publications N]
+                           [--tp T] [--storage] [--refusals] [--then-every K2]
+
+--family: a model of common.FAMILIES (tied embeddings, Qwen2's biases, Llama). --then-every K2:
+after the N publications the trainer restarts its publisher with publish_every=K2: without
+continue_after= it is refused (the message says how to continue), then with continue_after=
+dte.vllm.version(llm) N more publications follow, the first full.
 """
 import argparse
 import copy
@@ -27,6 +32,8 @@ def main():
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--storage", action="store_true")
     ap.add_argument("--refusals", action="store_true")
+    ap.add_argument("--family", default="qwen3")
+    ap.add_argument("--then-every", type=int, default=0)
     a = ap.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if a.mode == "inproc" else "1"
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -45,7 +52,7 @@ def main():
             failures.append(what)
             print("FAIL:", what, flush=True)
 
-    trainer = common.make_trainer()
+    trainer = common.make_trainer(family=a.family)
     opt = common.adamw(trainer)
     start = common.write_checkpoint(trainer, os.path.join(a.out, "start"))
     llm = LLM(model=start, tensor_parallel_size=a.tp, weight_transfer_config={"backend": "dte"},
@@ -55,15 +62,23 @@ def main():
     if a.refusals:
         # another model's config: the served parameters are not its layout; refused on init,
         # nothing touched (the engine then binds with its own)
-        other = common.qwen3_config(num_hidden_layers=1).to_dict()
+        other = common.family_config(a.family, num_hidden_layers=1).to_dict()
         before_gen = common.generate(llm)
         try:
             dte.vllm.init(llm, config=other)
             check(False, "init with another model's config: accepted")
         except dte.InvalidArgument as e:
-            check("parameters the config's layout does not" in str(e), f"init refusal: {e}")
+            check("differ in the structure" in str(e), f"init refusal: {e}")
         check(common.generate(llm) == before_gen, "a refused init changed generation")
+        # the trainer's config with another norm eps: the same structure, another function
+        drift = common.family_config(a.family, rms_norm_eps=1e-3).to_dict()
+        try:
+            dte.vllm.init(llm, config=drift)
+            check(False, "init with another rms_norm_eps: accepted")
+        except dte.InvalidArgument as e:
+            check("rms_norm_eps" in str(e) and "0.001" in str(e), f"init drift refusal: {e}")
     dte.vllm.init(llm)
+    check(dte.vllm.version(llm) is None, "a new engine holds a version")
     pub = dte.TorchPublisher(trainer, opt, publish_every=a.every, config=start)
     root = os.path.join(a.out, "root")
     writer = dte.StorageWriter(root, start) if a.storage else None
@@ -74,18 +89,22 @@ def main():
             return dte.vllm.update(llm, storage=root)
         return dte.vllm.update(llm, publication=msg)
 
-    record = {"tp": a.tp, "every": a.every, "versions": []}
+    record = {"tp": a.tp, "every": a.every, "family": a.family, "mode": a.mode, "versions": []}
+    record_last_message = [None]
     step = 0
 
     def publish(msg, at):
         """Delivers msg, the publication of the trainer state `at` (a copy of the trainer)."""
         t = time.perf_counter()
         reports = deliver(msg)
+        record_last_message[0] = msg
         took = time.perf_counter() - t
         v = reports[0]["version"] if reports and reports[0] else None
         check(len(reports) == a.tp and all(r and r["version"] == v for r in reports),
               f"version {v}: reports {reports}")
         check(all(r["changed"] > 0 for r in reports), f"version {v}: a worker wrote nothing: {reports}")
+        check(all(r["outcome"] == "committed" for r in reports), f"version {v}: outcomes {reports}")
+        check(dte.vllm.version(llm) == v, f"version {v}: dte.vllm.version says {dte.vllm.version(llm)}")
         bad = common.parameter_mismatches(llm, at, a.tp)
         check(not bad, f"version {v}: parameters differ from the trainer's BF16 weights: {bad[:5]}")
         ckpt = common.write_checkpoint(at, os.path.join(a.out, f"v{v}"))
@@ -107,6 +126,30 @@ def main():
     publish(pub.publish_full(), copy.deepcopy(trainer))
     while len(record["versions"]) < a.publications:
         publish(*next_publication())
+    if a.then_every:
+        assert not a.storage, "--then-every delivers publications (a storage root has its own writer)"
+        # The trainer restarts (same weights and optimizer state here): a publisher numbering
+        # from 1 again is refused, saying how to continue; with continue_after it goes on.
+        held = dte.vllm.version(llm)
+        before_gen = common.generate(llm)
+        fresh = dte.TorchPublisher(trainer, opt, publish_every=a.then_every, config=start)
+        try:
+            deliver(fresh.publish_full())
+            check(False, "a restarted publisher's version 1: accepted")
+        except dte.ProtocolError as e:
+            check(f"continue_after={held}" in str(e) and "dte.vllm.version" in str(e),
+                  f"restart refusal does not say how to continue: {e}")
+        check(common.generate(llm) == before_gen, "a refused restart changed generation")
+        pub = dte.TorchPublisher(trainer, opt, publish_every=a.then_every, config=start,
+                                 continue_after=held)
+        record["every"] = [a.every, a.then_every]
+        publish(pub.publish_full(), copy.deepcopy(trainer))
+        while len(record["versions"]) < 2 * a.publications:
+            publish(*next_publication())
+    if not a.storage:
+        # a re-delivery of the version held: every worker says 'current', nothing moves
+        again = dte.vllm.update(llm, publication=record_last_message[0])
+        check(all(r["outcome"] == "current" for r in again), f"re-delivery outcomes: {again}")
 
     if a.refusals:
         refusals = []
@@ -131,9 +174,13 @@ def main():
         corrupt[len(corrupt) // 2] ^= 0x40
         refused("corrupt", bytes(corrupt), dte.FormatError, "checksum")
         refused("wrong base", m2, dte.ProtocolError, "a delta on base version")
-        other = common.make_trainer(seed=3, num_hidden_layers=1)
+        other = common.make_trainer(seed=3, family=a.family, num_hidden_layers=1)
         other_pub = dte.TorchPublisher(other, common.adamw(other), config=other.config.to_dict())
         refused("another model", other_pub.publish_full(), dte.ProtocolError, "the manifest is for model")
+        # the same structure trained with another rope_theta: refused by name, nothing written
+        drifted = common.make_trainer(seed=3, family=a.family, rope_theta=12345.0)
+        drift_pub = dte.TorchPublisher(drifted, common.adamw(drifted), config=drifted.config.to_dict())
+        refused("config drift", drift_pub.publish_full(), dte.ProtocolError, "rope_theta (the trainer's config: 12345.0")
         # vLLM's own calls, as a user or the HTTP routes make them, with a malformed info: refused
         # like a publication (the engine stays usable: m1 and m2 follow)
         before_gen = common.generate(llm)

@@ -96,7 +96,7 @@ def main():
         pub = dte.TorchPublisher(trainer, opt, config=start)
         root = os.path.join(a.out, "root")
         writer = dte.StorageWriter(root, start)
-        record = {"tp": 1, "every": 1, "versions": []}
+        record = {"tp": 1, "every": 1, "mode": "mp", "versions": []}
         step = 0
         for k in range(a.publications):
             if k == 0:
