@@ -399,7 +399,7 @@ def test_a_restarted_trainer_continues_the_numbering(tmp_path):
         writer.write(msg)
     del writer  # the trainer process ends: its writer lock goes with it
     restarted = dte.TorchPublisher(model, opt)  # numbering from 1 again: refused as older
-    with pytest.raises(dte.ProtocolError, match="older"):
+    with pytest.raises(dte.ProtocolError, match=r"older.*continue_after=4\).*dte\.vllm\.version"):
         rx.apply(restarted.publish_full())
     resumed = dte.TorchPublisher(model, opt, continue_after=rx.version)
     writer = dte.StorageWriter(tmp_path / "root", CONFIG)
@@ -470,3 +470,36 @@ def test_a_parameter_on_another_device_is_refused_by_name():
     opt = torch.optim.AdamW(model.parameters())
     with pytest.raises(dte.UnsupportedError, match="parameter of lm_head.weight is on meta"):
         dte.TorchPublisher(model, opt)
+
+
+@pytest.mark.parametrize("field,trainer,served", [("rope_theta", 1e6, 1e4),
+                                                  ("rms_norm_eps", 1e-6, 1e-5)])
+def test_config_drift_is_refused_by_name(field, trainer, served):
+    """The same structure computing another function: a receiver bound to its config refuses a
+    publication of another rope_theta or rms_norm_eps, naming the field and both values, before
+    writing anything (HF receivers and TP ranks); a transformers-5 style rope_parameters of the
+    same value is the same config."""
+    model = TinyQwen3(seed=8)
+    opt = adamw(model, foreach=True)
+    pub = dte.TorchPublisher(model, opt, config={**CONFIG, field: trainer})
+    full = pub.publish_full()
+    served_t = served_like(model)
+    shards = dte.TorchReceiver.allocate(CONFIG, "tp=2", 0)
+    for rx, tensors in ((dte.TorchReceiver(served_t, config={**CONFIG, field: served}), served_t),
+                        (dte.TorchReceiver(shards, config={**CONFIG, field: served}, infer="tp=2",
+                                           rank=0), shards)):
+        before = {n: t.clone() for n, t in tensors.items()}
+        with pytest.raises(dte.ProtocolError, match=rf"{field} \(the trainer's config: "):
+            rx.apply(full)
+        assert rx.version is None
+        assert all(torch.equal(bits(t), bits(before[n])) for n, t in tensors.items())
+    same = {k: v for k, v in CONFIG.items() if k != "rope_theta"}
+    if field == "rope_theta":
+        same["rope_parameters"] = {"rope_type": "default", "rope_theta": trainer}
+    else:
+        same[field] = trainer
+    rx = dte.TorchReceiver(served_like(model), config=same)
+    assert rx.apply(full)["outcome"] == "committed"
+    assert dte._native.config_difference(
+        __import__("json").dumps({**CONFIG, field: trainer}), __import__("json").dumps(same),
+        "a", "b") == ""

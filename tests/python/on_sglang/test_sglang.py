@@ -303,3 +303,29 @@ def test_trainer_side_calls_and_a_storage_root(tmp_path):
         assert replica.unchanged_since(snap)
     finally:
         server.shutdown()
+
+
+def test_config_drift_version_and_outcome():
+    """A publication of the same structure with another rope_theta or rms_norm_eps is refused at
+    the first load by every rank, naming the field, nothing written (the loader binds to SGLang's
+    own model config); dte.sglang.version asks the workers without updating; reports carry
+    outcome."""
+    trainer = sr.Trainer("qwen3")
+    replica = Replica("qwen3", 2, 1)
+    engine = EngineStandIn(replica)
+    assert dte.sglang.version(engine) is None
+    for field, value in (("rope_theta", 12345.0), ("rms_norm_eps", 1e-3)):
+        drift = dte.TorchPublisher(trainer.published, trainer.optimizer,
+                                   config={**sr.config_dict("qwen3"), field: value})
+        snap = replica.snapshot()
+        for r in replica.deliver(drift.publish_full()):
+            assert r["outcome"] == "refused" and "dte.ProtocolError" in r["refused"], r
+            assert f"{field} (the trainer's config: " in r["refused"], r
+        assert replica.unchanged_since(snap)
+    pub = dte.TorchPublisher(trainer.published, trainer.optimizer, config=sr.config_dict("qwen3"))
+    full = pub.publish_full()
+    assert [r["outcome"] for r in replica.deliver(full)] == ["committed"] * 2
+    assert [r["outcome"] for r in replica.deliver(full)] == ["current"] * 2  # a re-delivery
+    snap = replica.snapshot()
+    assert dte.sglang.version(engine) == pub.version
+    assert replica.unchanged_since(snap)
