@@ -31,8 +31,6 @@ SCENARIOS = {
                                "--refusals"],
     "llama-inproc-k1": ["--family", "llama", "--mode", "inproc"],
     "qwen3-mp-k4-storage": ["--mode", "mp", "--every", "4", "--storage"],
-    "qwen3tied-mp-tp2-k1-k4": ["--family", "qwen3-tied", "--mode", "mp", "--tp", "2",
-                               "--then-every", "4", "--publications", "10", "--refusals"],
 }
 
 
@@ -81,10 +79,6 @@ def _reference(paths):
 def test_generation_equals_a_fresh_stock_engine_on_each_checkpoint(records):
     """Every family and tie setting at tp = 1: one fresh stock engine per version."""
     _reference([records(n)[2] for n in SCENARIOS if "tp2" not in n])
-
-
-def test_tp2_generation_equals_a_fresh_stock_tp2_engine(records):
-    _reference([records(n)[2] for n in SCENARIOS if "tp2" in n])
 
 
 def test_a_server_over_http(tmp_path):
