@@ -52,6 +52,12 @@ def main():
             failures.append(what)
             print("FAIL:", what, flush=True)
 
+    def same_generation(want, what):
+        """The engine generates `want` still (exactly in-process; in mp mode within
+        common.MP_LOGPROB_TOLERANCE, which says why)."""
+        why = common.generation_differs(want, common.generate(llm), a.mode == "inproc")
+        check(not why, f"{what}: {why}")
+
     trainer = common.make_trainer(family=a.family)
     opt = common.adamw(trainer)
     start = common.write_checkpoint(trainer, os.path.join(a.out, "start"))
@@ -69,7 +75,7 @@ def main():
             check(False, "init with another model's config: accepted")
         except dte.InvalidArgument as e:
             check("differ in the structure" in str(e), f"init refusal: {e}")
-        check(common.generate(llm) == before_gen, "a refused init changed generation")
+        same_generation(before_gen, "a refused init changed generation")
         # the trainer's config with another norm eps: the same structure, another function
         drift = common.family_config(a.family, rms_norm_eps=1e-3).to_dict()
         try:
@@ -139,7 +145,7 @@ def main():
         except dte.ProtocolError as e:
             check(f"continue_after={held}" in str(e) and "dte.vllm.version" in str(e),
                   f"restart refusal does not say how to continue: {e}")
-        check(common.generate(llm) == before_gen, "a refused restart changed generation")
+        same_generation(before_gen, "a refused restart changed generation")
         pub = dte.TorchPublisher(trainer, opt, publish_every=a.then_every, config=start,
                                  continue_after=held)
         record["every"] = [a.every, a.then_every]
@@ -166,7 +172,7 @@ def main():
                       f"{kind}: not a {cls.__name__} saying {reason!r}: {type(e).__name__}: {e}")
                 refusals.append([kind, type(e).__name__, str(e).strip().splitlines()[-1][:300]])
             check(llm.collective_rpc("compute_weight_checksums") == before, f"{kind}: parameters changed")
-            check(common.generate(llm) == before_gen, f"{kind}: generation changed")
+            same_generation(before_gen, f"{kind}: generation changed")
 
         m1, at1 = next_publication()  # the version held + 1
         m2, at2 = next_publication()  # + 2, its base + 1
@@ -195,7 +201,7 @@ def main():
             llm.finish_weight_update()  # ends the other workers' sessions (dte.vllm.update's way)
         except Exception:
             pass
-        check(common.generate(llm) == before_gen, "malformed info: generation changed")
+        same_generation(before_gen, "malformed info: generation changed")
         publish(m1, at1)
         publish(m2, at2)
         refused("older version", m1, dte.ProtocolError, "is older than the version")
