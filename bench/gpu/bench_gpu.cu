@@ -195,8 +195,9 @@ Json flat_shard(std::int64_t n, int repeat, double copy_bps, double peak_bps) {
   auto totals = DeviceArray<dev::DetectTotals>::zeros(e, 1);
   auto digest = DeviceArray<dte::Digest>::zeros(e, 1);
   auto per_receiver = DeviceArray<unsigned long long>::zeros(e, 1);
-  const unsigned grid =
-      dte::cuda::detail::grid_blocks(std::uint64_t{tables.n_items} * dev::block_threads);
+  const unsigned grid = dte::cuda::detail::grid_blocks(
+      dev::detail::detect_items<dte::BF16Detect, Kernel>,
+      std::uint64_t{tables.n_items} * dev::block_threads, dev::block_threads);
   for (int r = 0; r < repeat; ++r) {
     ev.start(stream);
     dev::detail::detect_items<dte::BF16Detect, Kernel><<<grid, dev::block_threads, 0, stream>>>(

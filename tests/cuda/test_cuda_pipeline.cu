@@ -168,38 +168,41 @@ __global__ void fill(T* p, std::size_t n, T value) {
 
 }  // namespace
 
-TEST_CASE("device stages == host stages, every mode, every rank") {
-  for (const Case& c : kCases) {
-    INFO(c.model << " train " << c.train << " infer " << c.infer);
-    const dte::layout::HfModel hf(dte::layout::model_preset(c.model));
-    const auto train = dte::layout::parse_train_topology(c.train);
-    const dte::layout::ServingLayout recv(hf, dte::layout::parse_infer_topology(c.infer));
-    dte::sim::SyntheticTrainer trainer(hf, train, {.seed = 7, .lr = 3e-4});
-    const dte::sim::AdamWAccess host_access{&trainer};
-    const auto tensors = static_cast<std::size_t>(hf.size());
-    const auto receivers = static_cast<std::size_t>(recv.topology().ranks());
-    Stream stream;
-    const dte::exec::Cuda e(stream);
-    for (std::int64_t rank = 0; rank < train.world(); ++rank) {
-      INFO("trainer rank " << rank);
-      HostSender host(hf, train, &recv, rank, true, dte::exec::Host(1));
-      dev::SenderPipeline<dte::AdamWInverse, dte::BF16Detect> device(hf, train, recv, rank, true,
-                                                                     e);
-      DeviceTrainer dt(trainer, rank, e);
-      // A full publication, then K = 1 deltas, then a K = 2 window (mark, then mask).
-      check_same(host_stages(host, host_access, ScanMode::all, tensors, receivers),
-                 device_result(device.scan(dt, ScanMode::all), tensors, receivers));
-      for (const ScanMode mode : {ScanMode::detect, ScanMode::mark, ScanMode::mask}) {
-        trainer.step();
-        dt.upload();
-        INFO("mode " << static_cast<int>(mode));
-        const StageResult h = host_stages(host, host_access, mode, tensors, receivers);
-        const StageResult d = device_result(device.scan(dt, mode), tensors, receivers);
-        check_same(h, d);
-        if (mode == ScanMode::detect) CHECK(h.flagged > 0);  // the case exercises changes
+TEST_CASE("device stages == host stages, every mode, every rank, pooled and plain memory") {
+  // plain: cudaMalloc/cudaFree, the executor's fallback on a device without memory pools.
+  for (const bool plain : {false, true})
+    for (const Case& c : kCases) {
+      INFO(c.model << " train " << c.train << " infer " << c.infer << (plain ? " plain" : " pool"));
+      const dte::layout::HfModel hf(dte::layout::model_preset(c.model));
+      const auto train = dte::layout::parse_train_topology(c.train);
+      const dte::layout::ServingLayout recv(hf, dte::layout::parse_infer_topology(c.infer));
+      dte::sim::SyntheticTrainer trainer(hf, train, {.seed = 7, .lr = 3e-4});
+      const dte::sim::AdamWAccess host_access{&trainer};
+      const auto tensors = static_cast<std::size_t>(hf.size());
+      const auto receivers = static_cast<std::size_t>(recv.topology().ranks());
+      Stream stream;
+      const dte::exec::Cuda e(
+          stream, plain ? dte::exec::CudaAllocator::plain() : dte::exec::CudaAllocator{});
+      for (std::int64_t rank = 0; rank < train.world(); ++rank) {
+        INFO("trainer rank " << rank);
+        HostSender host(hf, train, &recv, rank, true, dte::exec::Host(1));
+        dev::SenderPipeline<dte::AdamWInverse, dte::BF16Detect> device(hf, train, recv, rank, true,
+                                                                       e);
+        DeviceTrainer dt(trainer, rank, e);
+        // A full publication, then K = 1 deltas, then a K = 2 window (mark, then mask).
+        check_same(host_stages(host, host_access, ScanMode::all, tensors, receivers),
+                   device_result(device.scan(dt, ScanMode::all), tensors, receivers));
+        for (const ScanMode mode : {ScanMode::detect, ScanMode::mark, ScanMode::mask}) {
+          trainer.step();
+          dt.upload();
+          INFO("mode " << static_cast<int>(mode));
+          const StageResult h = host_stages(host, host_access, mode, tensors, receivers);
+          const StageResult d = device_result(device.scan(dt, mode), tensors, receivers);
+          check_same(h, d);
+          if (mode == ScanMode::detect) CHECK(h.flagged > 0);  // the case exercises changes
+        }
       }
     }
-  }
 }
 
 TEST_CASE("a refused element is refused on the device too, naming the host's segment") {

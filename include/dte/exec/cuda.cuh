@@ -28,6 +28,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -93,14 +94,71 @@ namespace detail {
 
 namespace dte::exec {
 
-// Where the CUDA executor takes temporary device memory from. The default is the stream-ordered
-// pool (cudaMallocAsync / cudaFreeAsync on the executor's stream); a trainer with its own caching
-// allocator (PyTorch's) passes functions that allocate from it instead.
+// Where the CUDA executor takes temporary device memory from. The default (null functions) is
+// dte's stream-ordered pool of the current device (detail::device_pool: cudaMallocFromPoolAsync
+// and cudaFreeAsync on the executor's stream), or plain() on a device without memory pools. A
+// trainer with its own caching allocator (PyTorch's) passes functions that allocate from it.
 struct CudaAllocator {
   void* (*allocate)(std::size_t bytes, cudaStream_t stream, void* context) = nullptr;
   void (*deallocate)(void* p, std::size_t bytes, cudaStream_t stream, void* context) = nullptr;
   void* context = nullptr;
+
+  // cudaMalloc, and cudaFree once the stream has passed every use (it synchronises the stream
+  // first): what a device without stream-ordered memory pools gets.
+  static CudaAllocator plain() noexcept { return {plain_allocate, plain_deallocate, nullptr}; }
+
+ private:
+  static void* plain_allocate(std::size_t bytes, cudaStream_t, void*) {
+    void* p = nullptr;
+    DTE_CUDA_TRY(cudaMalloc(&p, bytes));
+    return p;
+  }
+  static void plain_deallocate(void* p, std::size_t, cudaStream_t stream, void*) {
+    (void)cudaStreamSynchronize(stream);
+    (void)cudaFree(p);
+  }
 };
+
+// How much freed memory dte's pool keeps reserved for the next publication instead of returning
+// it to the driver (its release threshold): the scratch of a publication is then reused, not
+// re-allocated from the driver each time; above it, memory goes back at the next
+// synchronisation (cudaMemPoolTrimTo on detail::device_pool().pool returns all of it).
+inline constexpr std::uint64_t pool_keep_bytes = std::uint64_t{1} << 30;
+
+namespace detail {
+
+// dte's stream-ordered memory pool on the current device, made at the first use: null where the
+// device has no memory pools (cudaDevAttrMemoryPoolsSupported; some virtualised and older
+// devices), which then allocate with CudaAllocator::plain(). Its own pool, not the device's
+// default one, so the release threshold set here changes nothing for other users of the device.
+inline cudaMemPool_t device_pool() {
+  static std::mutex guard;
+  static std::vector<std::pair<bool, cudaMemPool_t>> pools;  // per device: (made, pool)
+  int device = 0;
+  DTE_CUDA_TRY(cudaGetDevice(&device));
+  const std::lock_guard lock(guard);
+  if (pools.size() <= static_cast<std::size_t>(device)) {
+    pools.resize(static_cast<std::size_t>(device) + 1, {false, nullptr});
+  }
+  auto& [made, pool] = pools[static_cast<std::size_t>(device)];
+  if (!made) {
+    int supported = 0;
+    DTE_CUDA_TRY(cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, device));
+    if (supported != 0) {
+      cudaMemPoolProps props{};
+      props.allocType = cudaMemAllocationTypePinned;
+      props.location.type = cudaMemLocationTypeDevice;
+      props.location.id = device;
+      DTE_CUDA_TRY(cudaMemPoolCreate(&pool, &props));
+      std::uint64_t keep = pool_keep_bytes;
+      DTE_CUDA_TRY(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+    }
+    made = true;
+  }
+  return pool;
+}
+
+}  // namespace detail
 
 // A non-blocking CUDA stream owned for its lifetime; converts to cudaStream_t.
 class Stream {
@@ -159,14 +217,25 @@ class Cuda {
       }
       return p;
     }
+    const cudaMemPool_t pool = detail::device_pool();
+    if (pool == nullptr) return CudaAllocator::plain().allocate(bytes, stream_, nullptr);
     void* p = nullptr;
-    DTE_CUDA_TRY(cudaMallocAsync(&p, bytes, stream_));
+    DTE_CUDA_TRY(cudaMallocFromPoolAsync(&p, bytes, pool, stream_));
     return p;
   }
   void deallocate(void* p, std::size_t bytes) const noexcept {
     if (p == nullptr) return;
     if (allocator_.deallocate != nullptr) {
       allocator_.deallocate(p, bytes, stream_, allocator_.context);
+      return;
+    }
+    cudaMemPool_t pool = nullptr;
+    try {
+      pool = detail::device_pool();  // (made by the allocation that returned p)
+    } catch (...) {
+    }
+    if (pool == nullptr) {
+      CudaAllocator::plain().deallocate(p, bytes, stream_, nullptr);
     } else {
       (void)cudaFreeAsync(p, stream_);
     }
@@ -308,11 +377,11 @@ concept inverse_kernel = std::is_trivially_copyable_v<K> && requires(const K& k,
   { k.size() } -> std::same_as<std::size_t>;
 };
 
-// Launch shape of the per-element passes: enough resident blocks to fill every SM, then a
-// grid-stride loop, so any size (beyond 2^31 included) runs with one launch.
+// Launch shape of the per-element passes: 256-thread blocks, as many as are resident on every SM
+// at once (detail::grid_blocks), then a grid-stride loop, so any size (beyond 2^31 included)
+// runs with one launch, in one wave.
 struct ElementwiseLaunch {
   static constexpr int block_threads = 256;
-  static constexpr int blocks_per_sm = 8;  // 2048 threads: a full sm_90 SM
 };
 
 namespace detail {
@@ -398,16 +467,26 @@ __global__ void __launch_bounds__(ElementwiseLaunch::block_threads)
   }
 }
 
-inline unsigned grid_blocks(std::size_t n) {
+// The grid of a grid-stride kernel over `threads` threads' worth of work: the blocks of
+// block_threads that every SM of the current device holds at once for this kernel (the occupancy
+// API: its registers and shared memory decide, e.g. 6 blocks of 256 at 40 registers on sm_90),
+// never more than the work needs, at least one.
+template <class KernelFunction>
+unsigned grid_blocks(KernelFunction kernel, std::size_t threads,
+                     int block_threads = ElementwiseLaunch::block_threads,
+                     std::size_t shared_bytes = 0) {
   int device = 0;
   DTE_CUDA_TRY(cudaGetDevice(&device));
   int sms = 0;
   DTE_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const std::size_t needed =
-      (n + ElementwiseLaunch::block_threads - 1) / ElementwiseLaunch::block_threads;
+  int per_sm = 0;
+  DTE_CUDA_TRY(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, block_threads, shared_bytes));
+  const auto block = static_cast<std::size_t>(block_threads);
+  const std::size_t needed = (threads + block - 1) / block;
   const std::size_t resident =
-      static_cast<std::size_t>(std::max(sms, 1)) * ElementwiseLaunch::blocks_per_sm;
-  return static_cast<unsigned>(std::min(needed, resident));
+      static_cast<std::size_t>(std::max(sms, 1)) * static_cast<std::size_t>(std::max(per_sm, 1));
+  return static_cast<unsigned>(std::max<std::size_t>(1, std::min(needed, resident)));
 }
 
 // Refuses a pointer the current device cannot dereference (plain pageable host memory on a
@@ -439,8 +518,9 @@ void classify(const Kernel& k, Verdict* d_out, cudaStream_t stream) {
   const std::size_t n = k.size();
   if (n == 0) return;
   detail::require_device_accessible("dte::cuda::classify", "d_out", d_out);
-  detail::classify_elements<Detect, Kernel>
-      <<<detail::grid_blocks(n), ElementwiseLaunch::block_threads, 0, stream>>>(k, n, d_out);
+  auto* const kernel = &detail::classify_elements<Detect, Kernel>;
+  kernel<<<detail::grid_blocks(kernel, n), ElementwiseLaunch::block_threads, 0, stream>>>(k, n,
+                                                                                          d_out);
   DTE_CUDA_TRY(cudaGetLastError());
 }
 
@@ -459,9 +539,9 @@ AuditCounts audit(const Kernel& k, const float* d_theta_prev, cudaStream_t strea
       cudaMemsetAsync(&d_total.data()->first_missed, 0xFF, sizeof(unsigned long long), stream));
   DTE_CUDA_TRY(
       cudaMemsetAsync(&d_total.data()->first_violation, 0xFF, sizeof(unsigned long long), stream));
-  detail::audit_elements<Detect, Kernel>
-      <<<detail::grid_blocks(n), ElementwiseLaunch::block_threads, 0, stream>>>(k, n, d_theta_prev,
-                                                                                d_total.data());
+  auto* const kernel = &detail::audit_elements<Detect, Kernel>;
+  kernel<<<detail::grid_blocks(kernel, n), ElementwiseLaunch::block_threads, 0, stream>>>(
+      k, n, d_theta_prev, d_total.data());
   DTE_CUDA_TRY(cudaGetLastError());
   detail::AuditTally total{};
   DTE_CUDA_TRY(

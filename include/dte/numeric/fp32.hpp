@@ -10,9 +10,14 @@
 #include "dte/config.hpp"
 #include "dte/numeric/round.hpp"
 
-#if defined(__FAST_MATH__) || defined(__USE_FAST_MATH__)
+// Host fast-math (g++/clang -ffast-math, also through nvcc -Xcompiler) is refused here. nvcc's
+// --use_fast_math defines no macro (nvcc 13): dte's CMake targets add --ftz=false
+// --prec-div=true --prec-sqrt=true to every CUDA file that links them, which win over it; built
+// without them, a .cu file must not use --use_fast_math, -ftz=true, -prec-div=false or
+// -prec-sqrt=false (docs/math.md, "fast-math").
+#if defined(__FAST_MATH__)
 #error \
-    "dte: fast-math changes FP32 rounding, square roots and NaN tests; the error bounds of the optimizer inverses assume IEEE arithmetic. Compile dte code without -ffast-math / --use_fast_math."
+    "dte: fast-math changes FP32 rounding, square roots and NaN tests; the error bounds of the optimizer inverses assume IEEE arithmetic. Compile dte code without -ffast-math."
 #endif
 
 namespace dte {

@@ -16,6 +16,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -62,6 +63,10 @@ struct AdamHyperparameters {
 struct AdamState {
   std::span<const float> exp_avg;
   std::span<const float> exp_avg_sq;
+  // Where the state lives, for a device backend's check that it can read it.
+  std::array<const void*, 2> buffers() const noexcept {
+    return {exp_avg.data(), exp_avg_sq.data()};
+  }
 };
 
 namespace detail {

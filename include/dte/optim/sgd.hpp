@@ -10,6 +10,7 @@
 // d + momentum * buf, and d is not stored: it cannot be inverted and is refused.
 #pragma once
 
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <span>
@@ -37,6 +38,8 @@ struct SgdHyperparameters {
 
 struct SgdState {
   std::span<const float> momentum_buffer;
+  // Where the state lives, for a device backend's check that it can read it.
+  std::array<const void*, 1> buffers() const noexcept { return {momentum_buffer.data()}; }
 };
 
 namespace detail {

@@ -4,6 +4,7 @@
 // benchmark compares against. Exact by construction: its error is 0.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -25,6 +26,8 @@ struct SnapshotHyperparameters {};
 // The shadow: the 16-bit bits of every element as last published.
 struct SnapshotState {
   std::span<const std::uint16_t> published;
+  // Where the state lives, for a device backend's check that it can read it.
+  std::array<const void*, 1> buffers() const noexcept { return {published.data()}; }
 };
 
 namespace detail {

@@ -95,6 +95,17 @@ struct DeviceTables {
 
 namespace detail {
 
+// Runs one CUB device algorithm: call(nullptr, bytes) asks its temporary size, then call(temp,
+// bytes) runs it on e's stream. CUB takes a null temporary pointer as a size query, so the
+// temporary is at least one byte: a size of 0 must not turn the run into a second query.
+template <class Call>
+void with_cub_temp(const exec::Cuda& e, Call call) {
+  std::size_t bytes = 0;
+  DTE_CUDA_TRY(call(nullptr, bytes));
+  DeviceArray<std::byte> temp(e, bytes > 0 ? bytes : 1);
+  DTE_CUDA_TRY(call(temp.data(), bytes));
+}
+
 // Bit o of a bitmap, for CUB's flag iterator.
 struct BitOf {
   const std::uint64_t* words;
@@ -363,8 +374,10 @@ PendingDetect detect_async(const exec::Cuda& e, const DeviceTables& t, const Ker
   std::byte* d = p.counts_.data();
   auto* totals = reinterpret_cast<DetectTotals*>(d);
   DTE_CUDA_TRY(cudaMemsetAsync(&totals->first_invalid_item, 0xFF, 8, e.stream()));
-  const unsigned grid = dte::cuda::detail::grid_blocks(std::uint64_t{t.n_items} * block_threads);
-  detail::detect_items<Detect, Kernel><<<grid, block_threads, 0, e.stream()>>>(
+  auto* const kernel = &detail::detect_items<Detect, Kernel>;
+  const unsigned grid =
+      dte::cuda::detail::grid_blocks(kernel, std::uint64_t{t.n_items} * block_threads);
+  kernel<<<grid, block_threads, 0, e.stream()>>>(
       t.items.data(), t.n_items, t.runs.data(), t.targets.data(), kernels, weights, mode, mask,
       send, totals, reinterpret_cast<Digest*>(d + p.digest_at()),
       reinterpret_cast<unsigned long long*>(d + p.receivers_at()));
@@ -399,12 +412,10 @@ inline DeviceArray<std::int64_t> compact(const exec::Cuda& e, const std::uint64_
   auto selected = DeviceArray<std::int64_t>(e, 1);
   const thrust::counting_iterator<std::int64_t> in(0);
   const auto flags = thrust::make_transform_iterator(in, detail::BitOf{send});
-  std::size_t temp_bytes = 0;
-  DTE_CUDA_TRY(cub::DeviceSelect::Flagged(nullptr, temp_bytes, in, flags, out.data(),
-                                          selected.data(), n, e.stream()));
-  DeviceArray<std::byte> temp(e, temp_bytes);
-  DTE_CUDA_TRY(cub::DeviceSelect::Flagged(temp.data(), temp_bytes, in, flags, out.data(),
-                                          selected.data(), n, e.stream()));
+  detail::with_cub_temp(e, [&](void* temp, std::size_t& bytes) {
+    return cub::DeviceSelect::Flagged(temp, bytes, in, flags, out.data(), selected.data(), n,
+                                      e.stream());
+  });
   return out;
 }
 
@@ -442,44 +453,38 @@ Buckets route_and_bucket(const exec::Cuda& e, const DeviceTables& t, const float
   b.bits = DeviceArray<std::uint16_t>(e, total);
   const auto n = static_cast<std::int64_t>(offsets.size());
   if (n == 0 || total == 0) return b;
-  const unsigned grid = dte::cuda::detail::grid_blocks(static_cast<std::size_t>(n));
+  const auto work = static_cast<std::size_t>(n);
 
   DeviceArray<std::uint64_t> counts(e, static_cast<std::size_t>(n));
   DeviceArray<std::uint64_t> positions(e, static_cast<std::size_t>(n));
-  detail::count_targets<<<grid, block_threads, 0, e.stream()>>>(
-      offsets.data(), n, t.items.data(), t.n_items, t.runs.data(), counts.data());
+  detail::count_targets<<<dte::cuda::detail::grid_blocks(detail::count_targets, work),
+                          block_threads, 0, e.stream()>>>(offsets.data(), n, t.items.data(),
+                                                          t.n_items, t.runs.data(), counts.data());
   DTE_CUDA_TRY(cudaGetLastError());
-  std::size_t temp_bytes = 0;
-  DTE_CUDA_TRY(cub::DeviceScan::ExclusiveSum(nullptr, temp_bytes, counts.data(), positions.data(),
-                                             n, e.stream()));
-  {
-    DeviceArray<std::byte> temp(e, temp_bytes);
-    DTE_CUDA_TRY(cub::DeviceScan::ExclusiveSum(temp.data(), temp_bytes, counts.data(),
-                                               positions.data(), n, e.stream()));
-  }
+  detail::with_cub_temp(e, [&](void* temp, std::size_t& bytes) {
+    return cub::DeviceScan::ExclusiveSum(temp, bytes, counts.data(), positions.data(), n,
+                                         e.stream());
+  });
 
   DeviceArray<std::uint32_t> rank(e, total), rank_sorted(e, total), tensor(e, total),
       index(e, total);
   DeviceArray<std::uint64_t> order(e, total), order_sorted(e, total);
   DeviceArray<std::uint16_t> bits(e, total);
-  detail::route_entries<Detect><<<grid, block_threads, 0, e.stream()>>>(
+  auto* const route = &detail::route_entries<Detect>;
+  route<<<dte::cuda::detail::grid_blocks(route, work), block_threads, 0, e.stream()>>>(
       offsets.data(), n, t.items.data(), t.n_items, t.runs.data(), t.targets.data(), weights,
       positions.data(), rank.data(), order.data(), tensor.data(), index.data(), bits.data());
   DTE_CUDA_TRY(cudaGetLastError());
 
   // A stable sort on the receiver bits only: histogram, scan and scatter in CUB's passes.
   const int end_bit = receiver_bits(receivers);
-  temp_bytes = 0;
-  DTE_CUDA_TRY(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, rank.data(), rank_sorted.data(),
-                                               order.data(), order_sorted.data(), total, 0, end_bit,
-                                               e.stream()));
-  {
-    DeviceArray<std::byte> temp(e, temp_bytes);
-    DTE_CUDA_TRY(cub::DeviceRadixSort::SortPairs(
-        temp.data(), temp_bytes, rank.data(), rank_sorted.data(), order.data(), order_sorted.data(),
-        total, 0, end_bit, e.stream()));
-  }
-  detail::gather_entries<<<dte::cuda::detail::grid_blocks(total), block_threads, 0, e.stream()>>>(
+  detail::with_cub_temp(e, [&](void* temp, std::size_t& bytes) {
+    return cub::DeviceRadixSort::SortPairs(temp, bytes, rank.data(), rank_sorted.data(),
+                                           order.data(), order_sorted.data(), total, 0, end_bit,
+                                           e.stream());
+  });
+  detail::gather_entries<<<dte::cuda::detail::grid_blocks(detail::gather_entries, total),
+                           block_threads, 0, e.stream()>>>(
       order_sorted.data(), total, tensor.data(), index.data(), bits.data(), b.tensor.data(),
       b.index.data(), b.bits.data());
   DTE_CUDA_TRY(cudaGetLastError());
@@ -563,10 +568,9 @@ inline void apply_entries(const exec::Cuda& e, DeviceReceiver& r, const std::uin
   if (n == 0) return;
   auto first_bad = DeviceArray<unsigned long long>(e, 1);
   DTE_CUDA_TRY(cudaMemsetAsync(first_bad.data(), 0xFF, 8, e.stream()));
-  const unsigned grid = dte::cuda::detail::grid_blocks(n);
-  detail::check_entries<<<grid, block_threads, 0, e.stream()>>>(tensor, index, n, r.n_tensors,
-                                                                r.live_end.data(), r.sources.data(),
-                                                                r.n_sources, first_bad.data());
+  detail::check_entries<<<dte::cuda::detail::grid_blocks(detail::check_entries, n), block_threads,
+                          0, e.stream()>>>(tensor, index, n, r.n_tensors, r.live_end.data(),
+                                           r.sources.data(), r.n_sources, first_bad.data());
   DTE_CUDA_TRY(cudaGetLastError());
   const unsigned long long bad = first_bad.to_host()[0];
   if (bad != ~0ull) {
@@ -578,9 +582,9 @@ inline void apply_entries(const exec::Cuda& e, DeviceReceiver& r, const std::uin
                          std::to_string(t) +
                          ", which this receiver does not hold as live data; nothing was written");
   }
-  detail::write_entries<<<grid, block_threads, 0, e.stream()>>>(
-      tensor, index, bits, n, r.tensors.data(), r.sources.data(), r.n_sources, fresh,
-      r.digest.data());
+  detail::write_entries<<<dte::cuda::detail::grid_blocks(detail::write_entries, n), block_threads,
+                          0, e.stream()>>>(tensor, index, bits, n, r.tensors.data(),
+                                           r.sources.data(), r.n_sources, fresh, r.digest.data());
   DTE_CUDA_TRY(cudaGetLastError());
 }
 
@@ -641,16 +645,13 @@ void gather_changed(const exec::Cuda& e, const DeviceTables& t, const Kernel* ke
   if (n == 0) return;
   const thrust::counting_iterator<std::uint32_t> in(0);
   const auto flags = thrust::make_transform_iterator(in, detail::BitFrom{send, begin});
-  std::size_t temp_bytes = 0;
-  DTE_CUDA_TRY(cub::DeviceSelect::Flagged(nullptr, temp_bytes, in, flags, batch.offset.data(),
-                                          batch.count.data(), n, e.stream()));
-  {
-    DeviceArray<std::byte> temp(e, temp_bytes);
-    DTE_CUDA_TRY(cub::DeviceSelect::Flagged(temp.data(), temp_bytes, in, flags, batch.offset.data(),
-                                            batch.count.data(), n, e.stream()));
-  }
-  const unsigned grid = dte::cuda::detail::grid_blocks(batch.offset.size());
-  detail::gather_changed<Detect, Kernel><<<grid, block_threads, 0, e.stream()>>>(
+  detail::with_cub_temp(e, [&](void* temp, std::size_t& bytes) {
+    return cub::DeviceSelect::Flagged(temp, bytes, in, flags, batch.offset.data(),
+                                      batch.count.data(), n, e.stream());
+  });
+  auto* const kernel = &detail::gather_changed<Detect, Kernel>;
+  const unsigned grid = dte::cuda::detail::grid_blocks(kernel, batch.offset.size());
+  kernel<<<grid, block_threads, 0, e.stream()>>>(
       batch.offset.data(), batch.count.data(), begin, t.items.data(), t.n_items, kernels, weights,
       batch.bits.data(), kernels != nullptr ? batch.previous.data() : nullptr);
   DTE_CUDA_TRY(cudaGetLastError());
@@ -742,10 +743,24 @@ class SenderPipeline {
       std::vector<kernel> host_kernels;
       for (const layout::PlanSegment& s : plan_.segments(b)) {
         const std::span<const float> w = pipeline::segment_weights(access, rank_, b, s, label(s));
+        // (a host pointer would otherwise reach the kernels, and the context be lost)
+        if (!w.empty()) {
+          cuda::detail::require_device_accessible("dte::pipeline::device::SenderPipeline::detect",
+                                                  label(s).c_str(), w.data());
+        }
         at.push_back(w.data());
         if (mode != ScanMode::all) {
-          host_kernels.push_back(Inverse::bind_unchecked(access.hyperparameters(rank_, b, s), w,
-                                                         access.state(rank_, b, s), label(s)));
+          const auto& state = access.state(rank_, b, s);
+          if constexpr (requires { state.buffers(); }) {
+            for (const void* p : state.buffers()) {
+              if (w.empty()) break;
+              cuda::detail::require_device_accessible(
+                  "dte::pipeline::device::SenderPipeline::detect",
+                  (label(s) + " (optimizer state)").c_str(), p);
+            }
+          }
+          host_kernels.push_back(
+              Inverse::bind_unchecked(access.hyperparameters(rank_, b, s), w, state, label(s)));
         }
       }
       weights_[x] = DeviceArray<const float*>::copy_of(exec_, at);
