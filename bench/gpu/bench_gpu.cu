@@ -195,15 +195,25 @@ Json flat_shard(std::int64_t n, int repeat, double copy_bps, double peak_bps) {
   auto totals = DeviceArray<dev::DetectTotals>::zeros(e, 1);
   auto digest = DeviceArray<dte::Digest>::zeros(e, 1);
   auto per_receiver = DeviceArray<unsigned long long>::zeros(e, 1);
+  using Body = dev::DetectItems<dte::BF16Detect, Kernel>;
+  const Body body{tables.items.data(),
+                  tables.n_items,
+                  tables.runs.data(),
+                  tables.targets.data(),
+                  kernels.data(),
+                  weights.data(),
+                  dte::pipeline::ScanMode::detect,
+                  nullptr,
+                  send.data(),
+                  totals.data(),
+                  digest.data(),
+                  per_receiver.data()};
+  auto* const kernel = &dte::simt::device::each_warp<dev::block_threads, Body>;
   const unsigned grid = dte::cuda::detail::grid_blocks(
-      dev::detail::detect_items<dte::BF16Detect, Kernel>,
-      std::uint64_t{tables.n_items} * dev::block_threads, dev::block_threads);
+      kernel, std::uint64_t{tables.n_items} * dev::block_threads, dev::block_threads);
   for (int r = 0; r < repeat; ++r) {
     ev.start(stream);
-    dev::detail::detect_items<dte::BF16Detect, Kernel><<<grid, dev::block_threads, 0, stream>>>(
-        tables.items.data(), tables.n_items, tables.runs.data(), tables.targets.data(),
-        kernels.data(), weights.data(), dte::pipeline::ScanMode::detect, nullptr, send.data(),
-        totals.data(), digest.data(), per_receiver.data());
+    kernel<<<grid, dev::block_threads, 0, stream>>>(body);
     DTE_CUDA_TRY(cudaGetLastError());
     kernel_s.push_back(ev.stop(stream));
   }

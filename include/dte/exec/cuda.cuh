@@ -21,8 +21,6 @@
 
 #include <cuda_runtime.h>
 
-#include <cub/block/block_reduce.cuh>
-
 #include <algorithm>
 #include <concepts>
 #include <cstddef>
@@ -39,7 +37,9 @@
 #include "dte/concepts.hpp"
 #include "dte/config.hpp"
 #include "dte/error.hpp"
+#include "dte/exec/element_kernels.hpp"
 #include "dte/exec/scan.hpp"
+#include "dte/exec/simt.cuh"
 #include "dte/numeric/fp32.hpp"
 #include "dte/reconstruction.hpp"
 
@@ -386,87 +386,6 @@ struct ElementwiseLaunch {
 
 namespace detail {
 
-// The audit counts of one thread, then of one block. One type for every (Detect, Kernel) pair,
-// so the whole backend instantiates a single cub::BlockReduce.
-struct AuditTally {
-  unsigned long long true_changed;
-  unsigned long long detected;
-  unsigned long long missed;
-  unsigned long long guard_extra;
-  unsigned long long first_missed;  // ULLONG_MAX: none
-  unsigned long long violations;    // breaks_bound
-  unsigned long long first_violation;
-  unsigned long long worst_ratio;  // bits of the largest bound_ratio (non-negative doubles
-                                   // order as their bit patterns)
-};
-
-struct CombineAuditTally {
-  __device__ AuditTally operator()(const AuditTally& a, const AuditTally& b) const {
-    return {a.true_changed + b.true_changed,
-            a.detected + b.detected,
-            a.missed + b.missed,
-            a.guard_extra + b.guard_extra,
-            a.first_missed < b.first_missed ? a.first_missed : b.first_missed,
-            a.violations + b.violations,
-            a.first_violation < b.first_violation ? a.first_violation : b.first_violation,
-            a.worst_ratio > b.worst_ratio ? a.worst_ratio : b.worst_ratio};
-  }
-};
-
-using AuditBlockReduce = cub::BlockReduce<AuditTally, ElementwiseLaunch::block_threads>;
-
-template <class Detect, class Kernel>
-__global__ void __launch_bounds__(ElementwiseLaunch::block_threads)
-    classify_elements(Kernel kernel, std::size_t n, Verdict* d_out) {
-  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += stride) {
-    d_out[i] = Detect::classify(kernel.current(i), kernel(i));
-  }
-}
-
-template <class Detect, class Kernel>
-__global__ void __launch_bounds__(ElementwiseLaunch::block_threads)
-    audit_elements(Kernel kernel, std::size_t n, const float* d_theta_prev, AuditTally* d_total) {
-  AuditTally mine{0, 0, 0, 0, ~0ull, 0, ~0ull, 0};
-  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += stride) {
-    const float now = kernel.current(i);
-    const bool truth = Detect::store(now) != Detect::store(d_theta_prev[i]);
-    const Reconstruction r = kernel(i);
-    const bool flagged = Detect::changed(now, r);
-    if (breaks_bound(d_theta_prev[i], r)) {
-      ++mine.violations;
-      if (i < mine.first_violation) mine.first_violation = i;
-    }
-    const auto ratio =
-        static_cast<unsigned long long>(__double_as_longlong(bound_ratio(d_theta_prev[i], r)));
-    if (ratio > mine.worst_ratio) mine.worst_ratio = ratio;
-    mine.true_changed += truth;
-    mine.detected += flagged;
-    if (truth && !flagged) {
-      ++mine.missed;
-      if (i < mine.first_missed) mine.first_missed = i;
-    }
-    mine.guard_extra += (flagged && !truth);
-  }
-  __shared__ typename AuditBlockReduce::TempStorage scratch;
-  const AuditTally block = AuditBlockReduce(scratch).Reduce(mine, CombineAuditTally{});
-  if (threadIdx.x == 0) {
-    if (block.true_changed != 0) atomicAdd(&d_total->true_changed, block.true_changed);
-    if (block.detected != 0) atomicAdd(&d_total->detected, block.detected);
-    if (block.missed != 0) atomicAdd(&d_total->missed, block.missed);
-    if (block.guard_extra != 0) atomicAdd(&d_total->guard_extra, block.guard_extra);
-    if (block.missed != 0) atomicMin(&d_total->first_missed, block.first_missed);
-    if (block.violations != 0) {
-      atomicAdd(&d_total->violations, block.violations);
-      atomicMin(&d_total->first_violation, block.first_violation);
-    }
-    if (block.worst_ratio != 0) atomicMax(&d_total->worst_ratio, block.worst_ratio);
-  }
-}
-
 // The grid of a grid-stride kernel over `threads` threads' worth of work: the blocks of
 // block_threads that every SM of the current device holds at once for this kernel (the occupancy
 // API: its registers and shared memory decide, e.g. 6 blocks of 256 at 40 registers on sm_90),
@@ -518,9 +437,10 @@ void classify(const Kernel& k, Verdict* d_out, cudaStream_t stream) {
   const std::size_t n = k.size();
   if (n == 0) return;
   detail::require_device_accessible("dte::cuda::classify", "d_out", d_out);
-  auto* const kernel = &detail::classify_elements<Detect, Kernel>;
-  kernel<<<detail::grid_blocks(kernel, n), ElementwiseLaunch::block_threads, 0, stream>>>(k, n,
-                                                                                          d_out);
+  using Body = detail::ClassifyElements<Detect, Kernel>;
+  auto* const kernel = &simt::device::each_thread<ElementwiseLaunch::block_threads, Body>;
+  kernel<<<detail::grid_blocks(kernel, n), ElementwiseLaunch::block_threads, 0, stream>>>(
+      Body{k, d_out}, n);
   DTE_CUDA_TRY(cudaGetLastError());
 }
 
@@ -533,32 +453,19 @@ AuditCounts audit(const Kernel& k, const float* d_theta_prev, cudaStream_t strea
   if (n == 0) return counts;
   detail::require_device_accessible("dte::cuda::audit", "d_theta_prev", d_theta_prev);
 
-  const exec::DeviceArray<detail::AuditTally> d_total(exec::Cuda(stream), 1);
-  DTE_CUDA_TRY(cudaMemsetAsync(d_total.data(), 0, sizeof(detail::AuditTally), stream));
-  DTE_CUDA_TRY(
-      cudaMemsetAsync(&d_total.data()->first_missed, 0xFF, sizeof(unsigned long long), stream));
-  DTE_CUDA_TRY(
-      cudaMemsetAsync(&d_total.data()->first_violation, 0xFF, sizeof(unsigned long long), stream));
-  auto* const kernel = &detail::audit_elements<Detect, Kernel>;
+  using Body = detail::AuditElements<Detect, Kernel>;
+  const detail::AuditTally identity = Body::identity();
+  const exec::DeviceArray<detail::AuditTally> d_total =
+      exec::DeviceArray<detail::AuditTally>::copy_of(exec::Cuda(stream), std::span(&identity, 1));
+  auto* const kernel = &simt::device::each_reduce<ElementwiseLaunch::block_threads, Body>;
   kernel<<<detail::grid_blocks(kernel, n), ElementwiseLaunch::block_threads, 0, stream>>>(
-      k, n, d_theta_prev, d_total.data());
+      Body{k, d_theta_prev, d_total.data()}, n);
   DTE_CUDA_TRY(cudaGetLastError());
   detail::AuditTally total{};
   DTE_CUDA_TRY(
       cudaMemcpyAsync(&total, d_total.data(), sizeof total, cudaMemcpyDeviceToHost, stream));
   DTE_CUDA_TRY(cudaStreamSynchronize(stream));
-
-  counts.elements = n;
-  counts.true_changed = total.true_changed;
-  counts.detected = total.detected;
-  counts.missed = total.missed;
-  counts.guard_extra = total.guard_extra;
-  counts.first_missed =
-      total.missed != 0 ? static_cast<std::int64_t>(total.first_missed) : std::int64_t{-1};
-  counts.bound_violations = total.violations;
-  counts.first_violation =
-      total.violations != 0 ? static_cast<std::int64_t>(total.first_violation) : std::int64_t{-1};
-  std::memcpy(&counts.worst_bound_ratio, &total.worst_ratio, sizeof(double));
+  counts = detail::audit_counts(total, n);
   return counts;
 }
 

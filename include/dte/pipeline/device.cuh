@@ -17,8 +17,10 @@
 //   5. apply   (receiver side, apply_entries): a check kernel refuses an entry outside the
 //      receiver's live elements before anything is written; then scatter into the caller's live
 //      BF16 tensors and update the receiver's digest by what is overwritten and written.
-// Everything but the launches is host code tested on the host: the tables
-// (pipeline/device_tables.hpp), the bucket offsets (the executor's exclusive_scan).
+// Everything but the launches and CUB is host code tested on the host: the tables
+// (pipeline/device_tables.hpp), the bucket offsets (the executor's exclusive_scan), and every
+// kernel's body (pipeline/device_kernels.hpp, DTE_HOST_DEVICE functors that exec/simt.cuh's
+// wrappers launch here and simt::host runs on the host: ctest -L device-on-host).
 #pragma once
 
 #if !defined(__CUDACC__)
@@ -45,10 +47,12 @@
 #include "dte/concepts.hpp"
 #include "dte/core/digest.hpp"
 #include "dte/exec/cuda.cuh"
+#include "dte/exec/simt.cuh"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/plan.hpp"
 #include "dte/layout/serving.hpp"
 #include "dte/pipeline/detect.hpp"
+#include "dte/pipeline/device_kernels.hpp"
 #include "dte/pipeline/device_tables.hpp"
 #include "dte/pipeline/runs.hpp"
 #include "dte/pipeline/segment_weights.hpp"
@@ -56,19 +60,6 @@
 namespace dte::pipeline::device {
 
 using exec::DeviceArray;
-
-// Elements per work item (one block's piece of a run): 16 passes of a 256-thread block.
-inline constexpr std::uint32_t item_elements = 4096;
-inline constexpr int block_threads = 256;
-
-// The counts of the detect stage, in device memory, read back at the one synchronisation.
-struct DetectTotals {
-  unsigned long long flagged;             // elements to send
-  unsigned long long guard;               // of the detected ones, by the guard band only
-  unsigned long long entries;             // routed entries (flagged elements times their copies)
-  unsigned long long scanned;             // sent elements looked at (digested)
-  unsigned long long first_invalid_item;  // ULLONG_MAX: none
-};
 
 // The device copy of one buffer's tables: work items, runs, receiver targets.
 struct DeviceTables {
@@ -106,176 +97,15 @@ void with_cub_temp(const exec::Cuda& e, Call call) {
   DTE_CUDA_TRY(call(temp.data(), bytes));
 }
 
-// Bit o of a bitmap, for CUB's flag iterator.
-struct BitOf {
-  const std::uint64_t* words;
-  __host__ __device__ bool operator()(std::int64_t o) const {
-    return (words[o >> 6] >> (o & 63)) & 1u;
-  }
-};
-
-// ORs (clears) a warp's 32 ballot bits for shard offsets [o, o + 32) in a bitmap, any alignment
-// (spread32, tested on the host): atomics, since a neighbouring item's warp may share a word.
-__device__ inline void or_bits(std::uint64_t* words, std::int64_t o, unsigned bits) {
-  if (bits == 0) return;
-  const WordSpread s = spread32(o, bits);
-  atomicOr(reinterpret_cast<unsigned long long*>(words + s.word), s.low);
-  if (s.high != 0) atomicOr(reinterpret_cast<unsigned long long*>(words + s.word + 1), s.high);
-}
-__device__ inline void clear_bits(std::uint64_t* words, std::int64_t o, unsigned bits) {
-  if (bits == 0) return;
-  const WordSpread s = spread32(o, bits);
-  atomicAnd(reinterpret_cast<unsigned long long*>(words + s.word), ~s.low);
-  if (s.high != 0) atomicAnd(reinterpret_cast<unsigned long long*>(words + s.word + 1), ~s.high);
-}
-
-// Stage 1. kernels: one per plan segment (null in mode all, which reads the weights); weights:
-// per plan segment, where its weights live (one buffer's pieces, or each local tensor of a
-// sharded PyTorch trainer: the element at index i of segment s is weights[s][i]). A block takes
-// items blockIdx.x, blockIdx.x + gridDim.x, ...; its warps take 32 consecutive elements at a time
-// (the loop bounds are uniform over the block, so every ballot has the whole warp).
-template <class Detect, class Kernel>
-__global__ void __launch_bounds__(block_threads)
-    detect_items(const WorkItem* items, std::uint32_t n_items, const Run* runs,
-                 const RunTarget* targets, const Kernel* kernels, const float* const* weights,
-                 ScanMode mode, std::uint64_t* mask, std::uint64_t* send, DetectTotals* totals,
-                 Digest* digest, unsigned long long* per_receiver) {
-  const unsigned lane = threadIdx.x & 31u;
-  for (std::uint32_t it = blockIdx.x; it < n_items; it += gridDim.x) {
-    const WorkItem item = items[it];
-    const bool sent = item.canonical >= 0;
-    const bool digested = sent && mode != ScanMode::mark;
-    unsigned flagged = 0, guard = 0, sum = 0;
-    bool invalid = false;
-    for (std::uint32_t base = 0; base < item.length; base += block_threads) {
-      const std::uint32_t j = base + threadIdx.x;
-      const bool here = j < item.length;
-      const std::int64_t o = item.shard_begin + j;
-      // The element's verdict: detect_element (pipeline/detect.hpp), the host's rule; in
-      // mode all every sent element goes, read straight from its segment's weights.
-      ElementVerdict v;
-      bool touch = false;  // this element's mask bit changes: set (detect, mark), cleared (mask)
-      if (here) {
-        if (mode == ScanMode::all) {
-          v.send = v.hit = sent;
-          if (sent) {
-            v.term = element_digest(item.canonical + j,
-                                    Detect::store(weights[item.segment][item.first + j]));
-          }
-        } else {
-          // Only this warp changes these mask bits in this launch: the load sees the earlier
-          // launches' marks.
-          const bool marked = mask != nullptr && mode == ScanMode::mask && sent &&
-                              ((mask[o >> 6] >> (o & 63)) & 1u);
-          v = detect_element<Detect>(kernels[item.segment],
-                                     static_cast<std::size_t>(item.first + j),
-                                     digested ? item.canonical + j : -1, sent, mode, marked);
-          touch = mode == ScanMode::mask ? marked : v.hit;
-          invalid = invalid || v.invalid;
-          guard += v.guard;
-        }
-      }
-      // The warp's 32 elements start at shard offset o0 (lane 0's).
-      const std::int64_t o0 = item.shard_begin + base + (threadIdx.x & ~31u);
-      if (mask != nullptr && mode != ScanMode::all) {
-        // detect, mark: OR this step's changes in; mask: clear every mark (sent now).
-        const unsigned bits = __ballot_sync(0xFFFFFFFFu, touch);
-        if (lane == 0) {
-          if (mode == ScanMode::mask) {
-            clear_bits(mask, o0, bits);
-          } else {
-            or_bits(mask, o0, bits);
-          }
-        }
-      }
-      if (mode == ScanMode::mark) continue;
-      const unsigned out = __ballot_sync(0xFFFFFFFFu, v.send);
-      if (lane == 0) or_bits(send, o0, out);
-      flagged += v.send;
-      sum += v.term;
-    }
-    // The warp's sums, then one atomic per warp and counter.
-    flagged = __reduce_add_sync(0xFFFFFFFFu, flagged);
-    guard = __reduce_add_sync(0xFFFFFFFFu, guard);
-    sum = __reduce_add_sync(0xFFFFFFFFu, sum);
-    const unsigned any_invalid = __ballot_sync(0xFFFFFFFFu, invalid);
-    if (lane == 0) {
-      if (any_invalid != 0)
-        atomicMin(&totals->first_invalid_item, static_cast<unsigned long long>(it));
-      if (flagged != 0) {
-        atomicAdd(&totals->flagged, static_cast<unsigned long long>(flagged));
-        const Run& run = runs[item.run];
-        atomicAdd(&totals->entries, static_cast<unsigned long long>(flagged) * run.target_count);
-        for (std::uint32_t t = 0; t < run.target_count; ++t)
-          atomicAdd(&per_receiver[targets[run.first_target + t].rank],
-                    static_cast<unsigned long long>(flagged));
-      }
-      if (guard != 0) atomicAdd(&totals->guard, static_cast<unsigned long long>(guard));
-      if (digested) {
-        if (sum != 0) atomicAdd(&digest[item.tensor], sum);
-        // The scanned count once per item (warp 0), not once per warp.
-        if (threadIdx.x == 0)
-          atomicAdd(&totals->scanned, static_cast<unsigned long long>(item.length));
-      }
-    }
-  }
-}
-
-// Stage 3a: the receiver copies of every changed element.
-__global__ void __launch_bounds__(block_threads)
-    count_targets(const std::int64_t* offsets, std::int64_t n, const WorkItem* items,
-                  std::uint32_t n_items, const Run* runs, std::uint64_t* counts) {
-  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  for (std::int64_t k = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < n;
-       k += stride) {
-    const WorkItem& item = items[find_item(items, n_items, offsets[k])];
-    counts[k] = runs[item.run].target_count;
-  }
-}
-
-// Stage 3b: entry positions[k] + t for target t of changed element k, with its receiver as the
-// sort key and its position as the value that the bucket stage permutes.
-template <class Detect>
-__global__ void __launch_bounds__(block_threads)
-    route_entries(const std::int64_t* offsets, std::int64_t n, const WorkItem* items,
-                  std::uint32_t n_items, const Run* runs, const RunTarget* targets,
-                  const float* const* weights, const std::uint64_t* positions, std::uint32_t* rank,
-                  std::uint64_t* order, std::uint32_t* tensor, std::uint32_t* index,
-                  std::uint16_t* bits) {
-  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  for (std::int64_t k = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < n;
-       k += stride) {
-    const std::int64_t o = offsets[k];
-    const WorkItem& item = items[find_item(items, n_items, o)];
-    const Run& run = runs[item.run];
-    const auto delta = static_cast<std::uint32_t>(o - run.shard_begin);
-    const std::uint16_t b =
-        Detect::store(weights[item.segment][item.first + (o - item.shard_begin)]);
-    std::uint64_t e = positions[k];
-    for (std::uint32_t t = 0; t < run.target_count; ++t, ++e) {
-      const RunTarget& target = targets[run.first_target + t];
-      rank[e] = target.rank;
-      order[e] = e;
-      tensor[e] = target.tensor;
-      index[e] = target.index + delta;
-      bits[e] = b;
-    }
-  }
-}
-
-// Stage 4b: the entries in bucket order.
-__global__ void __launch_bounds__(block_threads)
-    gather_entries(const std::uint64_t* order, std::uint64_t n, const std::uint32_t* tensor,
-                   const std::uint32_t* index, const std::uint16_t* bits, std::uint32_t* out_tensor,
-                   std::uint32_t* out_index, std::uint16_t* out_bits) {
-  const std::uint64_t stride = static_cast<std::uint64_t>(gridDim.x) * blockDim.x;
-  for (std::uint64_t e = static_cast<std::uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
-       e += stride) {
-    const std::uint64_t src = order[e];
-    out_tensor[e] = tensor[src];
-    out_index[e] = index[src];
-    out_bits[e] = bits[src];
-  }
+// Runs a per-thread body (pipeline/device_kernels.hpp) for every k < n on e's stream: a grid
+// sized by the occupancy API, grid-stride.
+template <class Body>
+void each_thread(const exec::Cuda& e, const Body& body, std::uint64_t n) {
+  if (n == 0) return;
+  auto* const kernel = &simt::device::each_thread<block_threads, Body>;
+  kernel<<<dte::cuda::detail::grid_blocks(kernel, n, block_threads), block_threads, 0,
+           e.stream()>>>(body, n);
+  DTE_CUDA_TRY(cudaGetLastError());
 }
 
 }  // namespace detail
@@ -374,13 +204,23 @@ PendingDetect detect_async(const exec::Cuda& e, const DeviceTables& t, const Ker
   std::byte* d = p.counts_.data();
   auto* totals = reinterpret_cast<DetectTotals*>(d);
   DTE_CUDA_TRY(cudaMemsetAsync(&totals->first_invalid_item, 0xFF, 8, e.stream()));
-  auto* const kernel = &detail::detect_items<Detect, Kernel>;
+  const DetectItems<Detect, Kernel> body{
+      t.items.data(),
+      t.n_items,
+      t.runs.data(),
+      t.targets.data(),
+      kernels,
+      weights,
+      mode,
+      mask,
+      send,
+      totals,
+      reinterpret_cast<Digest*>(d + p.digest_at()),
+      reinterpret_cast<unsigned long long*>(d + p.receivers_at())};
+  auto* const kernel = &simt::device::each_warp<block_threads, DetectItems<Detect, Kernel>>;
   const unsigned grid =
       dte::cuda::detail::grid_blocks(kernel, std::uint64_t{t.n_items} * block_threads);
-  kernel<<<grid, block_threads, 0, e.stream()>>>(
-      t.items.data(), t.n_items, t.runs.data(), t.targets.data(), kernels, weights, mode, mask,
-      send, totals, reinterpret_cast<Digest*>(d + p.digest_at()),
-      reinterpret_cast<unsigned long long*>(d + p.receivers_at()));
+  kernel<<<grid, block_threads, 0, e.stream()>>>(body);
   DTE_CUDA_TRY(cudaGetLastError());
   std::byte* h = pinned.reserve(p.bytes());
   DTE_CUDA_TRY(cudaMemcpyAsync(h, d, p.bytes(), cudaMemcpyDeviceToHost, e.stream()));
@@ -428,11 +268,6 @@ struct Buckets {
   [[nodiscard]] std::uint64_t size() const noexcept { return bits.size(); }
 };
 
-// The number of low bits that hold every receiver index below `receivers`.
-constexpr int receiver_bits(std::size_t receivers) noexcept {
-  return receivers <= 1 ? 1 : std::bit_width(receivers - 1);
-}
-
 // Stages 3 and 4: route the changed offsets through the tables and bucket them by receiver.
 // weights: per plan segment, where its device weights start (the bits sent are Detect::store of
 // the element's weight).
@@ -457,10 +292,9 @@ Buckets route_and_bucket(const exec::Cuda& e, const DeviceTables& t, const float
 
   DeviceArray<std::uint64_t> counts(e, static_cast<std::size_t>(n));
   DeviceArray<std::uint64_t> positions(e, static_cast<std::size_t>(n));
-  detail::count_targets<<<dte::cuda::detail::grid_blocks(detail::count_targets, work),
-                          block_threads, 0, e.stream()>>>(offsets.data(), n, t.items.data(),
-                                                          t.n_items, t.runs.data(), counts.data());
-  DTE_CUDA_TRY(cudaGetLastError());
+  detail::each_thread(
+      e, CountTargets{offsets.data(), t.items.data(), t.n_items, t.runs.data(), counts.data()},
+      work);
   detail::with_cub_temp(e, [&](void* temp, std::size_t& bytes) {
     return cub::DeviceScan::ExclusiveSum(temp, bytes, counts.data(), positions.data(), n,
                                          e.stream());
@@ -470,11 +304,11 @@ Buckets route_and_bucket(const exec::Cuda& e, const DeviceTables& t, const float
       index(e, total);
   DeviceArray<std::uint64_t> order(e, total), order_sorted(e, total);
   DeviceArray<std::uint16_t> bits(e, total);
-  auto* const route = &detail::route_entries<Detect>;
-  route<<<dte::cuda::detail::grid_blocks(route, work), block_threads, 0, e.stream()>>>(
-      offsets.data(), n, t.items.data(), t.n_items, t.runs.data(), t.targets.data(), weights,
-      positions.data(), rank.data(), order.data(), tensor.data(), index.data(), bits.data());
-  DTE_CUDA_TRY(cudaGetLastError());
+  detail::each_thread(e,
+                      RouteEntries<Detect>{offsets.data(), t.items.data(), t.n_items, t.runs.data(),
+                                           t.targets.data(), weights, positions.data(), rank.data(),
+                                           order.data(), tensor.data(), index.data(), bits.data()},
+                      work);
 
   // A stable sort on the receiver bits only: histogram, scan and scatter in CUB's passes.
   const int end_bit = receiver_bits(receivers);
@@ -483,11 +317,10 @@ Buckets route_and_bucket(const exec::Cuda& e, const DeviceTables& t, const float
                                            order.data(), order_sorted.data(), total, 0, end_bit,
                                            e.stream());
   });
-  detail::gather_entries<<<dte::cuda::detail::grid_blocks(detail::gather_entries, total),
-                           block_threads, 0, e.stream()>>>(
-      order_sorted.data(), total, tensor.data(), index.data(), bits.data(), b.tensor.data(),
-      b.index.data(), b.bits.data());
-  DTE_CUDA_TRY(cudaGetLastError());
+  detail::each_thread(e,
+                      GatherEntries{order_sorted.data(), tensor.data(), index.data(), bits.data(),
+                                    b.tensor.data(), b.index.data(), b.bits.data()},
+                      total);
   return b;
 }
 
@@ -519,46 +352,6 @@ struct DeviceReceiver {
   }
 };
 
-namespace detail {
-
-// Checks every entry before anything is written: the first bad one (lowest index) is recorded.
-__global__ void __launch_bounds__(block_threads)
-    check_entries(const std::uint32_t* tensor, const std::uint32_t* index, std::uint64_t n,
-                  std::uint32_t n_tensors, const std::uint64_t* live_end, const SourceRun* sources,
-                  std::uint32_t n_sources, unsigned long long* first_bad) {
-  const std::uint64_t stride = static_cast<std::uint64_t>(gridDim.x) * blockDim.x;
-  for (std::uint64_t e = static_cast<std::uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
-       e += stride) {
-    const std::uint32_t t = tensor[e];
-    const bool ok = t < n_tensors && index[e] < live_end[t] &&
-                    find_source(sources, n_sources, t, index[e]) != n_sources;
-    if (!ok) atomicMin(first_bad, static_cast<unsigned long long>(e));
-  }
-}
-
-// Writes every entry and moves the digest by what it overwrites (fresh: nothing, a full
-// publication's first write of a reset receiver) and what it writes. Entries are distinct
-// elements (one sender per element); were two to hit one element, the digest would disagree
-// with the tensors and the verification would repair the tensor.
-__global__ void __launch_bounds__(block_threads)
-    write_entries(const std::uint32_t* tensor, const std::uint32_t* index,
-                  const std::uint16_t* bits, std::uint64_t n, std::uint16_t* const* tensors,
-                  const SourceRun* sources, std::uint32_t n_sources, bool fresh, Digest* digest) {
-  const std::uint64_t stride = static_cast<std::uint64_t>(gridDim.x) * blockDim.x;
-  for (std::uint64_t e = static_cast<std::uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
-       e += stride) {
-    const std::uint32_t t = tensor[e], i = index[e];
-    const SourceRun& s = sources[find_source(sources, n_sources, t, i)];
-    const std::int64_t g = s.canonical + (i - s.index);
-    std::uint16_t& cell = tensors[t][i];
-    const Digest term = element_digest(g, bits[e]) - (fresh ? 0u : element_digest(g, cell));
-    cell = bits[e];
-    if (term != 0) atomicAdd(&digest[s.tensor], term);
-  }
-}
-
-}  // namespace detail
-
 // Applies n entries (device arrays) to a receiver's device tensors. Refuses the whole batch,
 // before writing anything, when an entry is outside the receiver's live elements (throws
 // protocol_error naming it); synchronises once for that check.
@@ -568,10 +361,10 @@ inline void apply_entries(const exec::Cuda& e, DeviceReceiver& r, const std::uin
   if (n == 0) return;
   auto first_bad = DeviceArray<unsigned long long>(e, 1);
   DTE_CUDA_TRY(cudaMemsetAsync(first_bad.data(), 0xFF, 8, e.stream()));
-  detail::check_entries<<<dte::cuda::detail::grid_blocks(detail::check_entries, n), block_threads,
-                          0, e.stream()>>>(tensor, index, n, r.n_tensors, r.live_end.data(),
-                                           r.sources.data(), r.n_sources, first_bad.data());
-  DTE_CUDA_TRY(cudaGetLastError());
+  detail::each_thread(e,
+                      CheckEntries{tensor, index, r.n_tensors, r.live_end.data(), r.sources.data(),
+                                   r.n_sources, first_bad.data()},
+                      n);
   const unsigned long long bad = first_bad.to_host()[0];
   if (bad != ~0ull) {
     std::uint32_t t = 0, i = 0;
@@ -582,10 +375,10 @@ inline void apply_entries(const exec::Cuda& e, DeviceReceiver& r, const std::uin
                          std::to_string(t) +
                          ", which this receiver does not hold as live data; nothing was written");
   }
-  detail::write_entries<<<dte::cuda::detail::grid_blocks(detail::write_entries, n), block_threads,
-                          0, e.stream()>>>(tensor, index, bits, n, r.tensors.data(),
-                                           r.sources.data(), r.n_sources, fresh, r.digest.data());
-  DTE_CUDA_TRY(cudaGetLastError());
+  detail::each_thread(e,
+                      WriteEntries{tensor, index, bits, r.tensors.data(), r.sources.data(),
+                                   r.n_sources, fresh, r.digest.data()},
+                      n);
 }
 
 // ---- Changed elements in canonical coordinates (a publication's chunks) ----
@@ -599,40 +392,6 @@ struct ChangedBatch {
   DeviceArray<PreviousBits> previous;  // empty without previous bits
   DeviceArray<unsigned long long> count;
 };
-
-namespace detail {
-
-// Bit begin + o of a bitmap (a batch's flags, for CUB's flag iterator).
-struct BitFrom {
-  const std::uint64_t* words;
-  std::int64_t begin;
-  __host__ __device__ bool operator()(std::uint32_t o) const {
-    const std::int64_t at = begin + o;
-    return (words[at >> 6] >> (at & 63)) & 1u;
-  }
-};
-
-// Per selected element: its bits (Detect::store of its weight) and, with previous, what its
-// previous bits can be (the reconstruction of the last step: the host frame's previous()).
-template <class Detect, class Kernel>
-__global__ void __launch_bounds__(block_threads)
-    gather_changed(const std::uint32_t* offset, const unsigned long long* count, std::int64_t begin,
-                   const WorkItem* items, std::uint32_t n_items, const Kernel* kernels,
-                   const float* const* weights, std::uint16_t* bits, PreviousBits* previous) {
-  const auto n = static_cast<std::int64_t>(*count);
-  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  for (std::int64_t k = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < n;
-       k += stride) {
-    const std::int64_t o = begin + offset[k];
-    const WorkItem& item = items[find_item(items, n_items, o)];
-    const std::int64_t i = item.first + (o - item.shard_begin);
-    bits[k] = Detect::store(weights[item.segment][i]);
-    if (previous != nullptr)
-      previous[k] = Detect::previous(kernels[item.segment](static_cast<std::size_t>(i)));
-  }
-}
-
-}  // namespace detail
 
 // The elements of shard offsets [begin, begin + n) whose send bit is set, with their bits (and,
 // kernels non-null, their previous bits), into batch (capacity at least their number). Enqueued;
@@ -649,12 +408,12 @@ void gather_changed(const exec::Cuda& e, const DeviceTables& t, const Kernel* ke
     return cub::DeviceSelect::Flagged(temp, bytes, in, flags, batch.offset.data(),
                                       batch.count.data(), n, e.stream());
   });
-  auto* const kernel = &detail::gather_changed<Detect, Kernel>;
-  const unsigned grid = dte::cuda::detail::grid_blocks(kernel, batch.offset.size());
-  kernel<<<grid, block_threads, 0, e.stream()>>>(
-      batch.offset.data(), batch.count.data(), begin, t.items.data(), t.n_items, kernels, weights,
-      batch.bits.data(), kernels != nullptr ? batch.previous.data() : nullptr);
-  DTE_CUDA_TRY(cudaGetLastError());
+  detail::each_thread(
+      e,
+      GatherChanged<Detect, Kernel>{batch.offset.data(), batch.count.data(), begin, t.items.data(),
+                                    t.n_items, kernels, weights, batch.bits.data(),
+                                    kernels != nullptr ? batch.previous.data() : nullptr},
+      batch.offset.size());
 }
 
 // ---- One trainer rank's publication on the device ----
@@ -752,11 +511,12 @@ class SenderPipeline {
         if (mode != ScanMode::all) {
           const auto& state = access.state(rank_, b, s);
           if constexpr (requires { state.buffers(); }) {
-            for (const void* p : state.buffers()) {
-              if (w.empty()) break;
-              cuda::detail::require_device_accessible(
-                  "dte::pipeline::device::SenderPipeline::detect",
-                  (label(s) + " (optimizer state)").c_str(), p);
+            if (!w.empty()) {  // (an empty segment's state holds no element)
+              for (const void* p : state.buffers()) {
+                cuda::detail::require_device_accessible(
+                    "dte::pipeline::device::SenderPipeline::detect",
+                    (label(s) + " (optimizer state)").c_str(), p);
+              }
             }
           }
           host_kernels.push_back(
