@@ -25,7 +25,6 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <mutex>
 #include <span>
 #include <string>
@@ -449,8 +448,7 @@ void classify(const Kernel& k, Verdict* d_out, cudaStream_t stream) {
 template <change_detector Detect, inverse_kernel Kernel>
 AuditCounts audit(const Kernel& k, const float* d_theta_prev, cudaStream_t stream) {
   const std::size_t n = k.size();
-  AuditCounts counts;
-  if (n == 0) return counts;
+  if (n == 0) return {};
   detail::require_device_accessible("dte::cuda::audit", "d_theta_prev", d_theta_prev);
 
   using Body = detail::AuditElements<Detect, Kernel>;
@@ -465,8 +463,7 @@ AuditCounts audit(const Kernel& k, const float* d_theta_prev, cudaStream_t strea
   DTE_CUDA_TRY(
       cudaMemcpyAsync(&total, d_total.data(), sizeof total, cudaMemcpyDeviceToHost, stream));
   DTE_CUDA_TRY(cudaStreamSynchronize(stream));
-  counts = detail::audit_counts(total, n);
-  return counts;
+  return detail::audit_counts(total, n);
 }
 
 }  // namespace dte::cuda

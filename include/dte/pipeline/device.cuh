@@ -36,7 +36,6 @@
 #include <cub/device/device_select.cuh>
 
 #include <array>
-#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
