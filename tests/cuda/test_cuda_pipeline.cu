@@ -65,27 +65,27 @@ using dte_test::kCases;
 using dte_test::mismatches;
 using dte_test::StageResult;
 
-StageResult device_result(const std::array<dev::BufferOutput, 2>& out, std::size_t tensors,
-                          std::size_t receivers) {
+// SenderPipeline::scan, its batches of routed entries collected per receiver in arrival order.
+template <class Pipeline, class Access>
+StageResult device_scan(Pipeline& p, const Access& a, ScanMode mode, std::size_t tensors,
+                        std::size_t receivers) {
   StageResult r;
   r.digest.assign(tensors, 0);
   r.to.resize(receivers);
-  for (const dev::BufferOutput& o : out) {
-    r.flagged += o.detect.flagged;
-    r.guard += o.detect.guard;
-    r.scanned += o.detect.scanned;
-    for (std::size_t t = 0; t < o.detect.digest.size(); ++t)
-      r.digest[t] += o.detect.digest[t];
-    if (o.buckets.size() == 0) continue;
-    const auto tensor = o.buckets.tensor.to_host();
-    const auto index = o.buckets.index.to_host();
-    const auto bits = o.buckets.bits.to_host();
+  const auto found = p.scan(a, mode, [&](BufferKind, const dev::BucketBatch& k) {
     for (std::size_t d = 0; d < receivers; ++d) {
-      for (std::uint64_t k = 0; k < o.buckets.count[d]; ++k) {
-        const std::uint64_t at = o.buckets.offset[d] + k;
-        r.to[d].emplace_back(tensor[at], index[at], bits[at]);
+      for (std::uint64_t j = 0; j < k.count[d]; ++j) {
+        const std::uint64_t at = k.offset[d] + j;
+        r.to[d].emplace_back(k.tensor[at], k.index[at], k.bits[at]);
       }
     }
+  });
+  for (const dev::DetectResult& o : found) {
+    r.flagged += o.flagged;
+    r.guard += o.guard;
+    r.scanned += o.scanned;
+    for (std::size_t t = 0; t < o.digest.size(); ++t)
+      r.digest[t] += o.digest[t];
   }
   return r;
 }
@@ -103,39 +103,55 @@ __global__ void fill(T* p, std::size_t n, T value) {
 
 TEST_CASE("device stages == host stages, every mode, every rank, pooled and plain memory") {
   // plain: cudaMalloc/cudaFree, the executor's fallback on a device without memory pools.
+  // batched: a scratch limit that routes each shard in many batches (pipeline/route_batches.hpp);
+  // the entries must arrive the same, and the scratch held must stay within the limit.
+  const std::uint64_t small = dte::pipeline::route_bytes_per_batch + (1u << 16);
   for (const bool plain : {false, true})
-    for (const Case& c : kCases) {
-      INFO(c.model << " train " << c.train << " infer " << c.infer << (plain ? " plain" : " pool"));
-      const dte::layout::HfModel hf(dte::layout::model_preset(c.model));
-      const auto train = dte::layout::parse_train_topology(c.train);
-      const dte::layout::ServingLayout recv(hf, dte::layout::parse_infer_topology(c.infer));
-      dte::sim::SyntheticTrainer trainer(hf, train, {.seed = 7, .lr = 3e-4});
-      const dte::sim::AdamWAccess host_access{&trainer};
-      const auto tensors = static_cast<std::size_t>(hf.size());
-      const auto receivers = static_cast<std::size_t>(recv.topology().ranks());
-      Stream stream;
-      const dte::exec::Cuda e(
-          stream, plain ? dte::exec::CudaAllocator::plain() : dte::exec::CudaAllocator{});
-      for (std::int64_t rank = 0; rank < train.world(); ++rank) {
-        INFO("trainer rank " << rank);
-        HostSender host(hf, train, &recv, rank, true, dte::exec::Host(1));
-        dev::SenderPipeline<dte::AdamWInverse, dte::BF16Detect> device(hf, train, recv, rank, true,
-                                                                       e);
-        DeviceTrainer dt(trainer, rank, e);
-        // A full publication, then K = 1 deltas, then a K = 2 window (mark, then mask).
-        check_same(host_stages(host, host_access, ScanMode::all, tensors, receivers),
-                   device_result(device.scan(dt, ScanMode::all), tensors, receivers));
-        for (const ScanMode mode : {ScanMode::detect, ScanMode::mark, ScanMode::mask}) {
-          trainer.step();
-          dt.upload();
-          INFO("mode " << static_cast<int>(mode));
-          const StageResult h = host_stages(host, host_access, mode, tensors, receivers);
-          const StageResult d = device_result(device.scan(dt, mode), tensors, receivers);
-          check_same(h, d);
-          if (mode == ScanMode::detect) CHECK(h.flagged > 0);  // the case exercises changes
+    for (const std::uint64_t limit : {dte::exec::default_scratch_limit, small})
+      for (const Case& c : kCases) {
+        INFO(c.model << " train " << c.train << " infer " << c.infer << (plain ? " plain" : " pool")
+                     << " scratch limit " << limit);
+        const dte::layout::HfModel hf(dte::layout::model_preset(c.model));
+        const auto train = dte::layout::parse_train_topology(c.train);
+        const dte::layout::ServingLayout recv(hf, dte::layout::parse_infer_topology(c.infer));
+        dte::sim::SyntheticTrainer trainer(hf, train, {.seed = 7, .lr = 3e-4});
+        const dte::sim::AdamWAccess host_access{&trainer};
+        const auto tensors = static_cast<std::size_t>(hf.size());
+        const auto receivers = static_cast<std::size_t>(recv.topology().ranks());
+        Stream stream;
+        const auto e = dte::exec::Cuda(stream, plain ? dte::exec::CudaAllocator::plain()
+                                                     : dte::exec::CudaAllocator{})
+                           .with_scratch_limit(limit);
+        std::size_t batches = 0;
+        for (std::int64_t rank = 0; rank < train.world(); ++rank) {
+          INFO("trainer rank " << rank);
+          HostSender host(hf, train, &recv, rank, true, dte::exec::Host(1));
+          dev::SenderPipeline<dte::AdamWInverse, dte::BF16Detect> device(hf, train, recv, rank,
+                                                                         true, e);
+          DeviceTrainer dt(trainer, rank, e);
+          auto check_scratch = [&] {
+            for (const BufferKind b : kBuffers) {
+              CHECK(device.routed(b).peak_scratch <= limit);
+              batches += device.routed(b).batches;
+            }
+          };
+          // A full publication, then K = 1 deltas, then a K = 2 window (mark, then mask).
+          check_same(host_stages(host, host_access, ScanMode::all, tensors, receivers),
+                     device_scan(device, dt, ScanMode::all, tensors, receivers));
+          check_scratch();
+          for (const ScanMode mode : {ScanMode::detect, ScanMode::mark, ScanMode::mask}) {
+            trainer.step();
+            dt.upload();
+            INFO("mode " << static_cast<int>(mode));
+            const StageResult h = host_stages(host, host_access, mode, tensors, receivers);
+            const StageResult d = device_scan(device, dt, mode, tensors, receivers);
+            check_same(h, d);
+            if (mode != ScanMode::mark) check_scratch();
+            if (mode == ScanMode::detect) CHECK(h.flagged > 0);  // the case exercises changes
+          }
         }
+        if (limit == small) CHECK(batches > static_cast<std::size_t>(4 * train.world()));
       }
-    }
 }
 
 TEST_CASE("a refused element is refused on the device too, naming the host's segment") {
@@ -167,14 +183,16 @@ TEST_CASE("a refused element is refused on the device too, naming the host's seg
   dev::SenderPipeline<dte::AdamWInverse, dte::BF16Detect> device(hf, train, recv, rank, false, e);
   DeviceTrainer dt(trainer, rank, e);
   try {
-    (void)device.scan(dt, ScanMode::detect);
+    (void)device.scan(dt, ScanMode::detect, [](BufferKind, const dev::BucketBatch&) {});
     FAIL("the device scan accepted a negative second moment");
   } catch (const dte::invalid_argument& err) {
     CHECK(std::string(err.what()).find(name) != std::string::npos);
   }
 }
 
-TEST_CASE("more than 2^31 elements: 64-bit offsets through detect, compact, route and bucket") {
+TEST_CASE(
+    "more than 2^31 elements: 64-bit offsets through detect, compact, route and bucket, in "
+    "batches") {
   const std::int64_t n = (std::int64_t{1} << 31) + 4099;
   std::size_t free_bytes = 0, total_bytes = 0;
   DTE_CUDA_TRY(cudaMemGetInfo(&free_bytes, &total_bytes));
@@ -225,19 +243,36 @@ TEST_CASE("more than 2^31 elements: 64-bit offsets through detect, compact, rout
   for (std::int64_t o : changed)
     want += dte::element_digest(o, two_bits) - dte::element_digest(o, one);
   CHECK(d.digest[0] == want);
-  const auto offsets = dev::compact(e, send.data(), n, d.flagged);
-  CHECK(offsets.to_host() == changed);
-  const dev::Buckets b =
-      dev::route_and_bucket<dte::BF16Detect>(e, tables, weights.data(), offsets, d);
-  CHECK(b.offset == std::vector<std::uint64_t>{0, 0});
-  CHECK(b.count == std::vector<std::uint64_t>{0, changed.size()});
-  const auto index = b.index.to_host();
-  const auto tensor = b.tensor.to_host();
-  const auto bits = b.bits.to_host();
-  for (std::size_t k = 0; k < changed.size(); ++k) {
-    CHECK(index[k] == static_cast<std::uint32_t>(changed[k]));
-    CHECK(tensor[k] == 3u);
-    CHECK(bits[k] == two_bits);
+  // Routed in several batches (a 64 MiB scratch limit: each holds ~1.0 M elements), then whole.
+  for (const std::uint64_t limit : {std::uint64_t{64} << 20, std::uint64_t{1} << 40}) {
+    INFO("scratch limit " << limit);
+    const auto batches = dte::pipeline::route_batches(runs, n, limit);
+    const std::uint64_t per_batch =  // (elements of one receiver copy each that fit the limit)
+        (limit - dte::pipeline::route_bytes_per_batch) /
+        (dte::pipeline::route_bytes_per_element + dte::pipeline::route_bytes_per_entry);
+    CHECK(batches.size() == (static_cast<std::uint64_t>(n) + per_batch - 1) / per_batch);
+    std::vector<std::uint64_t> offset, count;
+    std::vector<std::uint32_t> tensor, index;
+    std::vector<std::uint16_t> bits;
+    dte::exec::PinnedBuffer staging;
+    const dev::RouteTotals routed = dev::route_and_bucket<dte::BF16Detect>(
+        e, tables, weights.data(), send.data(), d, batches, staging,
+        [&](const dev::BucketBatch& k) {
+          CHECK(k.offset[0] == 0);
+          CHECK(k.count[0] == 0);
+          CHECK(k.offset[1] == 0);
+          tensor.insert(tensor.end(), k.tensor.begin(), k.tensor.end());
+          index.insert(index.end(), k.index.begin(), k.index.end());
+          bits.insert(bits.end(), k.bits.begin(), k.bits.end());
+        });
+    CHECK(routed.entries == changed.size());
+    CHECK(routed.peak_scratch <= limit);
+    REQUIRE(index.size() == changed.size());
+    for (std::size_t k = 0; k < changed.size(); ++k) {
+      CHECK(index[k] == static_cast<std::uint32_t>(changed[k]));
+      CHECK(tensor[k] == 3u);
+      CHECK(bits[k] == two_bits);
+    }
   }
 }
 
@@ -305,15 +340,19 @@ TEST_CASE("device apply: a full publication then deltas leave every receiver den
           a.upload();
       }
       for (std::size_t s = 0; s < senders.size(); ++s) {
-        const auto out = senders[s].scan(access[s], full ? ScanMode::all : ScanMode::detect);
-        for (const dev::BufferOutput& o : out) {
-          if (o.buckets.size() == 0) continue;
-          for (std::size_t d = 0; d < receivers; ++d) {
-            const std::uint64_t at = o.buckets.offset[d];
-            dev::apply_entries(e, rx[d], o.buckets.tensor.data() + at, o.buckets.index.data() + at,
-                               o.buckets.bits.data() + at, o.buckets.count[d], full);
-          }
-        }
+        // (each batch's bucket uploaded to the receiver's device and applied there)
+        (void)senders[s].scan(
+            access[s], full ? ScanMode::all : ScanMode::detect,
+            [&](BufferKind, const dev::BucketBatch& k) {
+              for (std::size_t d = 0; d < receivers; ++d) {
+                if (k.count[d] == 0) continue;
+                const std::size_t at = k.offset[d], n = k.count[d];
+                const auto tensor = DeviceArray<std::uint32_t>::copy_of(e, k.tensor.subspan(at, n));
+                const auto index = DeviceArray<std::uint32_t>::copy_of(e, k.index.subspan(at, n));
+                const auto bits = DeviceArray<std::uint16_t>::copy_of(e, k.bits.subspan(at, n));
+                dev::apply_entries(e, rx[d], tensor.data(), index.data(), bits.data(), n, full);
+              }
+            });
       }
       const std::vector<float> canonical = trainer.canonical_weights();
       for (std::size_t d = 0; d < receivers; ++d) {

@@ -32,6 +32,7 @@
 #include "dte/optim/adam.hpp"
 #include "dte/pipeline/device_kernels.hpp"
 #include "dte/pipeline/device_tables.hpp"
+#include "dte/pipeline/route_batches.hpp"
 #include "dte/pipeline/runs.hpp"
 #include "dte/pipeline/segment_weights.hpp"
 #include "dte/sim/access.hpp"
@@ -47,6 +48,8 @@ using dte::pipeline::ScanMode;
 using dte_test::StageResult;
 
 constexpr unsigned kBlocks = 3;
+// A scratch limit that routes the golden shards in many batches.
+constexpr std::uint64_t kSmallScratch = dte::pipeline::route_bytes_per_batch + (1u << 16);
 constexpr auto kThreads = static_cast<unsigned>(dev::block_threads);
 
 using Inverse = dte::AdamWInverse;
@@ -65,8 +68,10 @@ struct HostBuckets {
 class HostTwinSender {
  public:
   HostTwinSender(const dte::layout::HfModel& hf, const dte::layout::TrainTopology& train,
-                 const dte::layout::ServingLayout& recv, std::int64_t rank)
+                 const dte::layout::ServingLayout& recv, std::int64_t rank,
+                 std::uint64_t scratch_limit = std::uint64_t{256} << 20)
       : hf_(&hf),
+        scratch_limit_(scratch_limit),
         rank_(rank),
         receivers_(static_cast<std::size_t>(recv.topology().ranks())),
         plan_(hf, train, rank),
@@ -115,49 +120,70 @@ class HostTwinSender {
     return totals;
   }
 
-  // Stages 2-4 on buffer b after detect: compact, count, scan, route, sort, gather.
-  HostBuckets route_and_bucket(BufferKind b, const std::vector<unsigned long long>& per_receiver) {
+  // Stages 2-4 on buffer b after detect, batch by batch as route_and_bucket runs them (its
+  // batches: route_batches within the scratch limit): per batch compact, count, scan, route,
+  // sort, gather, and the bucket ends; the batches in shard order.
+  std::vector<HostBuckets> route_and_bucket(BufferKind b,
+                                            const std::vector<unsigned long long>& per_receiver) {
     const int x = static_cast<int>(b);
-    HostBuckets out;
-    out.count.assign(per_receiver.begin(), per_receiver.end());
-    out.offset.assign(receivers_, 0);
-    simt::host::exclusive_sum<std::uint64_t>(out.count, out.offset);
-    const std::uint64_t total = out.offset.empty() ? 0 : out.offset.back() + out.count.back();
-    const std::vector<std::int64_t> offsets =
-        simt::host::select_flagged(plan_.shard_size(b), dev::detail::BitOf{send_[x].data()});
-    const auto n = static_cast<std::uint64_t>(offsets.size());
+    std::vector<HostBuckets> out;
+    std::vector<std::uint64_t> routed(receivers_, 0);
     const auto items = work_[x].items();
     const auto n_items = static_cast<std::uint32_t>(items.size());
-    std::vector<std::uint64_t> counts(n), positions(n);
-    simt::host::each_thread(kBlocks, kThreads, n,
-                            dev::CountTargets{offsets.data(), items.data(), n_items,
-                                              table_.runs(b).data(), counts.data()});
-    simt::host::exclusive_sum<std::uint64_t>(counts, positions);
-    std::vector<std::uint32_t> rank(total), rank_sorted(total), tensor(total), index(total);
-    std::vector<std::uint64_t> order(total), order_sorted(total);
-    std::vector<std::uint16_t> bits(total);
-    simt::host::each_thread(
-        kBlocks, kThreads, n,
-        dev::RouteEntries<Detect>{offsets.data(), items.data(), n_items, table_.runs(b).data(),
-                                  table_.all_targets().data(), weights_[x].data(), positions.data(),
-                                  rank.data(), order.data(), tensor.data(), index.data(),
-                                  bits.data()});
-    simt::host::sort_pairs<std::uint32_t, std::uint64_t>(
-        rank, order, dev::receiver_bits(receivers_), rank_sorted, order_sorted);
-    out.tensor.resize(total);
-    out.index.resize(total);
-    out.bits.resize(total);
-    simt::host::each_thread(
-        kBlocks, kThreads, total,
-        dev::GatherEntries{order_sorted.data(), tensor.data(), index.data(), bits.data(),
-                           out.tensor.data(), out.index.data(), out.bits.data()});
+    for (const dte::pipeline::RouteBatch& batch :
+         dte::pipeline::route_batches(table_.runs(b), plan_.shard_size(b), scratch_limit_)) {
+      std::vector<std::int64_t> offsets = simt::host::select_flagged(
+          batch.end - batch.begin, dev::detail::BitFrom{send_[x].data(), batch.begin});
+      for (std::int64_t& o : offsets)
+        o += batch.begin;
+      const auto n = static_cast<std::uint64_t>(offsets.size());
+      if (n == 0) continue;
+      std::vector<std::uint64_t> counts(n), positions(n);
+      simt::host::each_thread(kBlocks, kThreads, n,
+                              dev::CountTargets{offsets.data(), items.data(), n_items,
+                                                table_.runs(b).data(), counts.data()});
+      simt::host::exclusive_sum<std::uint64_t>(counts, positions);
+      const std::uint64_t total = positions.back() + counts.back();
+      REQUIRE(total <= batch.max_entries);
+      if (total == 0) continue;
+      REQUIRE(dte::pipeline::route_scratch(static_cast<std::uint64_t>(batch.end - batch.begin),
+                                           total) <= scratch_limit_);
+      std::vector<std::uint32_t> rank(total), rank_sorted(total), tensor(total), index(total);
+      std::vector<std::uint64_t> order(total), order_sorted(total), ends(receivers_, 0);
+      std::vector<std::uint16_t> bits(total);
+      simt::host::each_thread(
+          kBlocks, kThreads, n,
+          dev::RouteEntries<Detect>{offsets.data(), items.data(), n_items, table_.runs(b).data(),
+                                    table_.all_targets().data(), weights_[x].data(),
+                                    positions.data(), rank.data(), order.data(), tensor.data(),
+                                    index.data(), bits.data()});
+      simt::host::sort_pairs<std::uint32_t, std::uint64_t>(
+          rank, order, dev::receiver_bits(receivers_), rank_sorted, order_sorted);
+      HostBuckets& k = out.emplace_back();
+      k.tensor.resize(total);
+      k.index.resize(total);
+      k.bits.resize(total);
+      simt::host::each_thread(
+          kBlocks, kThreads, total,
+          dev::GatherEntries{order_sorted.data(), tensor.data(), index.data(), bits.data(),
+                             k.tensor.data(), k.index.data(), k.bits.data()});
+      simt::host::each_thread(kBlocks, kThreads, total,
+                              dev::BucketEnds{rank_sorted.data(), total, ends.data()});
+      k.offset.resize(receivers_);
+      k.count.resize(receivers_);
+      dev::bucket_bounds(ends.data(), receivers_, k.offset.data(), k.count.data());
+      for (std::size_t d = 0; d < receivers_; ++d)
+        routed[d] += k.count[d];
+    }
+    for (std::size_t d = 0; d < receivers_; ++d)
+      CHECK(routed[d] == per_receiver[d]);  // (the detect stage's count per receiver)
     return out;
   }
 
   // SenderPipeline::scan on the host: the counts into r (flagged, guard, scanned, digest; r's
   // digest sized to the model), the buckets of each buffer.
-  std::array<HostBuckets, 2> scan(const dte::sim::AdamWAccess& a, ScanMode mode, StageResult& r) {
-    std::array<HostBuckets, 2> out;
+  std::vector<HostBuckets> scan(const dte::sim::AdamWAccess& a, ScanMode mode, StageResult& r) {
+    std::vector<HostBuckets> out;
     for (BufferKind b : dte_test::kBuffers) {
       if (plan_.shard_size(b) == 0) continue;
       std::vector<unsigned long long> per_receiver(receivers_, 0);
@@ -167,18 +193,24 @@ class HostTwinSender {
       r.guard += t.guard;
       r.scanned += t.scanned;
       if (mode == ScanMode::mark) continue;
-      out[static_cast<int>(b)] = route_and_bucket(b, per_receiver);
-      CHECK(out[static_cast<int>(b)].tensor.size() == t.entries);
+      std::uint64_t entries = 0;
+      for (HostBuckets& k : route_and_bucket(b, per_receiver)) {
+        entries += k.tensor.size();
+        out.push_back(std::move(k));
+      }
+      CHECK(entries == t.entries);
     }
     return out;
   }
 
-  // The same, as the reference's per-receiver lists.
+  // The same, as the reference's per-receiver lists (the batches in order).
   StageResult scan(const dte::sim::AdamWAccess& a, ScanMode mode) {
     StageResult r;
     r.digest.assign(static_cast<std::size_t>(hf_->size()), 0);
     r.to.resize(receivers_);
+    batches_ = 0;
     for (const HostBuckets& k : scan(a, mode, r)) {
+      ++batches_;
       for (std::size_t d = 0; d < k.count.size(); ++d) {
         for (std::uint64_t e = 0; e < k.count[d]; ++e) {
           const std::uint64_t at = k.offset[d] + e;
@@ -188,6 +220,8 @@ class HostTwinSender {
     }
     return r;
   }
+  // Batches that held a change in the last scan.
+  [[nodiscard]] std::size_t batches() const noexcept { return batches_; }
 
   [[nodiscard]] const std::vector<std::uint64_t>& send(BufferKind b) const {
     return send_[static_cast<int>(b)];
@@ -205,6 +239,8 @@ class HostTwinSender {
 
  private:
   const dte::layout::HfModel* hf_;
+  std::uint64_t scratch_limit_;
+  std::size_t batches_ = 0;
   std::int64_t rank_;
   std::size_t receivers_;
   dte::layout::TransferPlan plan_;
@@ -227,23 +263,89 @@ TEST_CASE("device-on-host: stages 1-4 == the host frame, every mode, every rank"
     const dte::sim::AdamWAccess access{&trainer};
     const auto tensors = static_cast<std::size_t>(hf.size());
     const auto receivers = static_cast<std::size_t>(recv.topology().ranks());
+    // The default scratch limit (one batch per buffer here), and one that routes each shard in
+    // many batches: the entries must arrive the same.
+    for (const std::uint64_t limit : {std::uint64_t{256} << 20, kSmallScratch}) {
+      INFO("scratch limit " << limit);
+      std::size_t batches = 0;
+      for (std::int64_t rank = 0; rank < train.world(); ++rank) {
+        INFO("trainer rank " << rank);
+        dte_test::HostSender host(hf, train, &recv, rank, true, dte::exec::Host(1));
+        HostTwinSender twin(hf, train, recv, rank, limit);
+        dte_test::check_same(dte_test::host_stages(host, access, ScanMode::all, tensors, receivers),
+                             twin.scan(access, ScanMode::all));
+        batches += twin.batches();
+        // Each step moves the trainer; the host frame and the twin both see it.
+        for (const ScanMode mode : {ScanMode::detect, ScanMode::mark, ScanMode::mask}) {
+          trainer.step();
+          INFO("mode " << static_cast<int>(mode));
+          const StageResult h = dte_test::host_stages(host, access, mode, tensors, receivers);
+          const StageResult d = twin.scan(access, mode);
+          dte_test::check_same(h, d);
+          if (mode == ScanMode::detect) CHECK(h.flagged > 0);  // the case exercises changes
+        }
+      }
+      if (limit == kSmallScratch) CHECK(batches > static_cast<std::size_t>(4 * train.world()));
+    }
+  }
+}
+
+TEST_CASE("routing batches: cover the shard in order, each within the scratch limit") {
+  for (const dte_test::Case& c : dte_test::kCases) {
+    INFO(c.model << " train " << c.train << " infer " << c.infer);
+    const dte::layout::HfModel hf(dte::layout::model_preset(c.model));
+    const auto train = dte::layout::parse_train_topology(c.train);
+    const dte::layout::ServingLayout recv(hf, dte::layout::parse_infer_topology(c.infer));
     for (std::int64_t rank = 0; rank < train.world(); ++rank) {
-      INFO("trainer rank " << rank);
-      dte_test::HostSender host(hf, train, &recv, rank, true, dte::exec::Host(1));
-      HostTwinSender twin(hf, train, recv, rank);
-      dte_test::check_same(dte_test::host_stages(host, access, ScanMode::all, tensors, receivers),
-                           twin.scan(access, ScanMode::all));
-      // Each step moves the trainer; the host frame and the twin both see it.
-      for (const ScanMode mode : {ScanMode::detect, ScanMode::mark, ScanMode::mask}) {
-        trainer.step();
-        INFO("mode " << static_cast<int>(mode));
-        const StageResult h = dte_test::host_stages(host, access, mode, tensors, receivers);
-        const StageResult d = twin.scan(access, mode);
-        dte_test::check_same(h, d);
-        if (mode == ScanMode::detect) CHECK(h.flagged > 0);  // the case exercises changes
+      const dte::layout::TransferPlan plan(hf, train, rank);
+      const dte::pipeline::RunTable table(plan, hf, &recv);
+      for (BufferKind b : dte_test::kBuffers) {
+        const std::int64_t shard = plan.shard_size(b);
+        // Each element's receiver copies, from the runs.
+        std::vector<std::uint64_t> copies(static_cast<std::size_t>(shard), 0);
+        for (const dte::pipeline::Run& r : table.runs(b)) {
+          for (std::int64_t o = r.shard_begin; o < r.shard_begin + r.length; ++o)
+            copies[static_cast<std::size_t>(o)] = r.sender ? r.target_count : 0;
+        }
+        for (const std::uint64_t limit :
+             {kSmallScratch, kSmallScratch * 4, std::uint64_t{256} << 20}) {
+          INFO("rank " << rank << " buffer " << static_cast<int>(b) << " limit " << limit);
+          const auto batches = dte::pipeline::route_batches(table.runs(b), shard, limit);
+          if (shard == 0) {
+            CHECK(batches.empty());
+            continue;
+          }
+          std::int64_t at = 0;
+          for (std::size_t k = 0; k < batches.size(); ++k) {
+            const dte::pipeline::RouteBatch& batch = batches[k];
+            CHECK(batch.begin == at);
+            CHECK(batch.end > batch.begin);
+            std::uint64_t entries = 0;
+            for (std::int64_t o = batch.begin; o < batch.end; ++o)
+              entries += copies[static_cast<std::size_t>(o)];
+            CHECK(batch.max_entries == entries);
+            const auto elements = static_cast<std::uint64_t>(batch.end - batch.begin);
+            CHECK(dte::pipeline::route_scratch(elements, entries) <= limit);
+            // Greedy: the next element would not have fit.
+            if (k + 1 < batches.size()) {
+              CHECK(dte::pipeline::route_scratch(
+                        elements + 1, entries + copies[static_cast<std::size_t>(batch.end)]) >
+                    limit);
+            }
+            at = batch.end;
+          }
+          CHECK(at == shard);
+          if (limit == kSmallScratch && shard > 100000) CHECK(batches.size() > 1);
+        }
       }
     }
   }
+  // A limit that cannot hold one element of a run is refused, naming the knob.
+  const std::vector<dte::pipeline::Run> runs = {{0, 10, 0, 0, 0, 0, 8, true}};
+  CHECK_THROWS_WITH_AS(
+      (void)dte::pipeline::route_batches(runs, 10, dte::pipeline::route_scratch(1, 8) - 1),
+      doctest::Contains("with_scratch_limit"), dte::invalid_argument);
+  CHECK(dte::pipeline::route_batches(runs, 10, dte::pipeline::route_scratch(1, 8)).size() == 10);
 }
 
 namespace {
@@ -302,7 +404,7 @@ TEST_CASE(
     const auto receivers = static_cast<std::size_t>(recv.topology().ranks());
     std::vector<HostTwinSender> senders;
     for (std::int64_t r = 0; r < train.world(); ++r)
-      senders.emplace_back(hf, train, recv, r);
+      senders.emplace_back(hf, train, recv, r, kSmallScratch);  // (in batches)
     std::vector<HostTwinReceiver> rx;
     for (std::size_t d = 0; d < receivers; ++d)
       rx.emplace_back(hf, recv, static_cast<std::int64_t>(d));

@@ -1,11 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // DeviceSenderRank: what one trainer rank does for a publication when its weights and optimizer
 // state are in device memory (the engine's executor is exec::Cuda). The stages run on the device
-// (pipeline/device.cuh: detect, compact, route, bucket, with the publication's one
-// synchronisation for the counts); the per-receiver buckets then come to the host (pinned
-// memory, one synchronisation: 10 bytes per changed element and copy, not the 12 bytes per
-// element a host scan would need) and are read into the wire messages there, each receiver's
-// bucket as its stream (engine/wire.hpp's sending policy, as the host sender's RoutingSink does).
+// (pipeline/device.cuh: detect, with the publication's one synchronisation for the counts, then
+// compact, route and bucket batch by batch within the executor's scratch limit); each batch's
+// per-receiver buckets come to the host (pinned memory: 10 bytes per routed entry, not the 12
+// bytes per element a host scan would need) and are read into the wire messages there, each
+// receiver's bucket as its stream (engine/wire.hpp's sending policy, as the host sender's
+// RoutingSink does), before the next batch starts.
 // The interface is HostSenderRank's (engine/sender.hpp): DeltaEngine picks this class for
 // exec::Cuda through detail::sender_rank.
 #pragma once
@@ -53,16 +54,28 @@ class DeviceSenderRank {
       out.digest.assign(static_cast<std::size_t>(hf_->size()), 0);
       outbox_.begin(mode == pipeline::ScanMode::all);
     }
-    const auto buffers = pipeline_.scan(access, mode);
-    for (const pipeline::device::BufferOutput& o : buffers) {
-      out.scanned += o.detect.scanned;
-      out.changed += o.detect.flagged;
-      out.guard += o.detect.guard;
+    // (each batch of routed entries into the messages as it arrives: per receiver, in shard
+    // order, the dense buffer's batches before the expert buffer's)
+    const auto found = pipeline_.scan(
+        access, mode, [&](layout::BufferKind, const pipeline::device::BucketBatch& batch) {
+          for (std::size_t d = 0; d < outbox_.size(); ++d) {
+            wire::MessageWriter& w = outbox_[d];
+            for (std::uint64_t k = batch.offset[d]; k < batch.offset[d] + batch.count[d]; ++k)
+              w.add(batch.tensor[k], batch.index[k], batch.bits[k]);
+          }
+        });
+    for (const pipeline::device::DetectResult& d : found) {
+      out.scanned += d.scanned;
+      out.changed += d.flagged;
+      out.guard += d.guard;
       if (mode == pipeline::ScanMode::mark) continue;  // no digest, nothing to send
-      for (std::size_t t = 0; t < o.detect.digest.size(); ++t)
-        out.digest[t] += o.detect.digest[t];
+      for (std::size_t t = 0; t < d.digest.size(); ++t)
+        out.digest[t] += d.digest[t];
     }
-    if (mode != pipeline::ScanMode::mark) out.entries = encode(buffers);
+    if (mode != pipeline::ScanMode::mark) {
+      outbox_.flush();
+      out.entries = outbox_.entries();
+    }
     out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return out;
   }
@@ -77,9 +90,10 @@ class DeviceSenderRank {
 
   [[nodiscard]] std::uint64_t payload_bytes() const noexcept { return outbox_.payload_bytes(); }
   // Host memory held beyond the payload plus the device mask and tables (the device memory a
-  // publication holds beyond them is its buckets, freed when scan() returns).
+  // publication holds beyond them is one routing batch's scratch, at most the executor's
+  // scratch_limit(), freed when scan() returns).
   [[nodiscard]] std::uint64_t held_bytes() const noexcept {
-    return mask_bytes() + fixed_bytes() + staging_.size() + outbox_.capacity_bytes();
+    return mask_bytes() + fixed_bytes() + pipeline_.host_bytes() + outbox_.capacity_bytes();
   }
   [[nodiscard]] std::uint64_t mask_bytes() const noexcept { return pipeline_.mask_bytes(); }
   [[nodiscard]] std::uint64_t fixed_bytes() const noexcept {
@@ -106,54 +120,9 @@ class DeviceSenderRank {
   }
 
  private:
-  // Both buffers' buckets come to pinned host memory with one synchronisation, then into the
-  // messages: per buffer and receiver, in bucket order (shard order), each receiver's stream
-  // ended after the last buffer. Returns the indexed entries written.
-  std::uint64_t encode(const std::array<pipeline::device::BufferOutput, 2>& buffers) {
-    std::size_t bytes = 0;
-    for (const auto& o : buffers)
-      bytes += (o.buckets.size() * 10 + 7) / 8 * 8;  // each buffer's arrays 8-byte aligned
-    if (bytes == 0) return 0;                        // (nothing added: every stream is empty)
-    std::byte* h = staging_.reserve(bytes);
-    const cudaStream_t stream = pipeline_.executor().stream();
-    std::array<std::byte*, 2> at{};
-    std::size_t used = 0;
-    for (std::size_t x = 0; x < 2; ++x) {
-      const pipeline::device::Buckets& b = buffers[x].buckets;
-      at[x] = h + used;
-      const std::size_t n = b.size();
-      if (n == 0) continue;
-      DTE_CUDA_TRY(cudaMemcpyAsync(at[x], b.tensor.data(), 4 * n, cudaMemcpyDeviceToHost, stream));
-      DTE_CUDA_TRY(
-          cudaMemcpyAsync(at[x] + 4 * n, b.index.data(), 4 * n, cudaMemcpyDeviceToHost, stream));
-      DTE_CUDA_TRY(
-          cudaMemcpyAsync(at[x] + 8 * n, b.bits.data(), 2 * n, cudaMemcpyDeviceToHost, stream));
-      used += (10 * n + 7) / 8 * 8;
-    }
-    pipeline_.executor().synchronize();
-    for (std::size_t x = 0; x < 2; ++x) {
-      const pipeline::device::Buckets& b = buffers[x].buckets;
-      const std::size_t n = b.size();
-      if (n == 0) continue;
-      const std::span<const std::uint32_t> tensor(reinterpret_cast<const std::uint32_t*>(at[x]), n);
-      const std::span<const std::uint32_t> index(
-          reinterpret_cast<const std::uint32_t*>(at[x] + 4 * n), n);
-      const std::span<const std::uint16_t> bits(
-          reinterpret_cast<const std::uint16_t*>(at[x] + 8 * n), n);
-      for (std::size_t d = 0; d < outbox_.size(); ++d) {
-        wire::MessageWriter& w = outbox_[d];
-        for (std::size_t k = b.offset[d]; k < b.offset[d] + b.count[d]; ++k)
-          w.add(tensor[k], index[k], bits[k]);
-      }
-    }
-    outbox_.flush();
-    return outbox_.entries();
-  }
-
   const layout::HfModel* hf_;
   pipeline::device::SenderPipeline<Inverse, Detect, Plan> pipeline_;
-  wire::Outbox outbox_;         // one message per receiver
-  exec::PinnedBuffer staging_;  // the buckets on their way to the encoder
+  wire::Outbox outbox_;  // one message per receiver
 };
 
 namespace detail {

@@ -8,12 +8,15 @@
 //      only where two items share a 64-bit word), and the counts: flagged, guard, the first
 //      refused item, the digest per canonical tensor, the entries per receiver.
 //   -- the publication's one host synchronisation: the counts come back --
+//   Stages 2-4 run batch by batch over the shard (pipeline/route_batches.hpp: each batch's
+//   scratch fits exec::Cuda::scratch_limit(), were every element in it changed), each batch
+//   read into the messages before the next starts:
 //   2. compact (CUB DeviceSelect::Flagged over a counting iterator, the send bits as flags):
-//      the changed shard offsets in increasing order (64-bit: shards above 2^31 elements).
+//      the batch's changed shard offsets in increasing order (64-bit: shards above 2^31).
 //   3. route   (one thread per changed element: binary search of its item, then its run's
 //      receiver targets; the entries' positions by CUB DeviceScan over the target counts).
 //   4. bucket  (CUB DeviceRadixSort of the entries by receiver, stable, over the receiver bits
-//      only): one contiguous bucket per receiver, in shard order inside it.
+//      only): one contiguous bucket per receiver, in shard order inside it, and its bounds.
 //   5. apply   (receiver side, apply_entries): a check kernel refuses an entry outside the
 //      receiver's live elements before anything is written; then scatter into the caller's live
 //      BF16 tensors and update the receiver's digest by what is overwritten and written.
@@ -39,6 +42,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <span>
 #include <string>
 #include <vector>
@@ -53,6 +57,7 @@
 #include "dte/pipeline/detect.hpp"
 #include "dte/pipeline/device_kernels.hpp"
 #include "dte/pipeline/device_tables.hpp"
+#include "dte/pipeline/route_batches.hpp"
 #include "dte/pipeline/runs.hpp"
 #include "dte/pipeline/segment_weights.hpp"
 
@@ -88,12 +93,14 @@ namespace detail {
 // Runs one CUB device algorithm: call(nullptr, bytes) asks its temporary size, then call(temp,
 // bytes) runs it on e's stream. CUB takes a null temporary pointer as a size query, so the
 // temporary is at least one byte: a size of 0 must not turn the run into a second query.
+// Returns the temporary's size.
 template <class Call>
-void with_cub_temp(const exec::Cuda& e, Call call) {
+std::size_t with_cub_temp(const exec::Cuda& e, Call call) {
   std::size_t bytes = 0;
   DTE_CUDA_TRY(call(nullptr, bytes));
   DeviceArray<std::byte> temp(e, bytes > 0 ? bytes : 1);
   DTE_CUDA_TRY(call(temp.data(), bytes));
+  return temp.size();
 }
 
 // Runs a per-thread body (pipeline/device_kernels.hpp) for every k < n on e's stream: a grid
@@ -242,85 +249,151 @@ DetectResult detect(const exec::Cuda& e, const DeviceTables& t, const Kernel* ke
   return r;
 }
 
-// Stage 2: the set bits of send[0, ceil(n / 64)) as increasing shard offsets; flagged: their
-// number (from detect). Enqueued only.
-inline DeviceArray<std::int64_t> compact(const exec::Cuda& e, const std::uint64_t* send,
-                                         std::int64_t n, std::uint64_t flagged) {
-  DeviceArray<std::int64_t> out(e, flagged);
-  if (flagged == 0) return out;
-  auto selected = DeviceArray<std::int64_t>(e, 1);
-  const thrust::counting_iterator<std::int64_t> in(0);
-  const auto flags = thrust::make_transform_iterator(in, detail::BitOf{send});
-  detail::with_cub_temp(e, [&](void* temp, std::size_t& bytes) {
-    return cub::DeviceSelect::Flagged(temp, bytes, in, flags, out.data(), selected.data(), n,
-                                      e.stream());
-  });
-  return out;
-}
-
-// Per-receiver buckets of routed entries, structure of arrays in device memory: receiver d's
-// entries are [offset[d], offset[d] + count[d]), in shard order (and target order per element).
-struct Buckets {
-  DeviceArray<std::uint32_t> tensor, index;
-  DeviceArray<std::uint16_t> bits;
-  std::vector<std::uint64_t> offset, count;
-  [[nodiscard]] std::uint64_t size() const noexcept { return bits.size(); }
+// One batch of routed entries in pinned host memory, bucketed by receiver: receiver d's entries
+// are [offset[d], offset[d] + count[d]), in shard order (and target order per element).
+struct BucketBatch {
+  std::span<const std::uint32_t> tensor, index;
+  std::span<const std::uint16_t> bits;
+  std::span<const std::uint64_t> offset, count;
 };
 
-// Stages 3 and 4: route the changed offsets through the tables and bucket them by receiver.
-// weights: per plan segment, where its device weights start (the bits sent are Detect::store of
-// the element's weight).
-template <change_detector Detect>
-Buckets route_and_bucket(const exec::Cuda& e, const DeviceTables& t, const float* const* weights,
-                         const DeviceArray<std::int64_t>& offsets, const DetectResult& d) {
-  Buckets b;
+// What route_and_bucket did over one buffer.
+struct RouteTotals {
+  std::uint64_t entries = 0;       // routed, over every batch
+  std::size_t batches = 0;         // that held a change
+  std::uint64_t peak_scratch = 0;  // device bytes held at once (arrays and CUB's temp)
+};
+
+// Stages 2-4 over one buffer after detect (d: its counts; send: its send bits), batch by batch
+// (batches: route_batches(), whose scratch fits a stated bound): per batch, the flagged offsets
+// in [begin, end) (select), their receiver copies (count, scan), their entries with the receiver
+// as sort key (route), bucketed by a stable radix sort on the receiver bits (sort, gather), the
+// bucket ends; the batch then comes to pinned host memory (staging) and f(const BucketBatch&)
+// takes it, before the next batch starts. A single batch needs no synchronisation before its
+// copy (its counts are detect's); more take two each (the batch's changed and entry counts).
+template <change_detector Detect, class F>
+RouteTotals route_and_bucket(const exec::Cuda& e, const DeviceTables& t,
+                             const float* const* weights, const std::uint64_t* send,
+                             const DetectResult& d, std::span<const RouteBatch> batches,
+                             exec::PinnedBuffer& staging, F&& f) {
   const std::size_t receivers = d.per_receiver.size();
-  b.count = d.per_receiver;
-  b.offset.assign(receivers, 0);
-  const std::uint64_t total = e.exclusive_scan(b.count, b.offset);
-  if (total != d.entries) {
-    throw error("dte::pipeline::device: the detect stage counted " + std::to_string(d.entries) +
-                " entries but " + std::to_string(total) + " per receiver; report this");
-  }
-  b.tensor = DeviceArray<std::uint32_t>(e, total);
-  b.index = DeviceArray<std::uint32_t>(e, total);
-  b.bits = DeviceArray<std::uint16_t>(e, total);
-  const auto n = static_cast<std::int64_t>(offsets.size());
-  if (n == 0 || total == 0) return b;
-  const auto work = static_cast<std::size_t>(n);
-
-  DeviceArray<std::uint64_t> counts(e, static_cast<std::size_t>(n));
-  DeviceArray<std::uint64_t> positions(e, static_cast<std::size_t>(n));
-  detail::each_thread(
-      e, CountTargets{offsets.data(), t.items.data(), t.n_items, t.runs.data(), counts.data()},
-      work);
-  detail::with_cub_temp(e, [&](void* temp, std::size_t& bytes) {
-    return cub::DeviceScan::ExclusiveSum(temp, bytes, counts.data(), positions.data(), n,
-                                         e.stream());
-  });
-
-  DeviceArray<std::uint32_t> rank(e, total), rank_sorted(e, total), tensor(e, total),
-      index(e, total);
-  DeviceArray<std::uint64_t> order(e, total), order_sorted(e, total);
-  DeviceArray<std::uint16_t> bits(e, total);
-  detail::each_thread(e,
-                      RouteEntries<Detect>{offsets.data(), t.items.data(), t.n_items, t.runs.data(),
-                                           t.targets.data(), weights, positions.data(), rank.data(),
-                                           order.data(), tensor.data(), index.data(), bits.data()},
-                      work);
-
-  // A stable sort on the receiver bits only: histogram, scan and scatter in CUB's passes.
   const int end_bit = receiver_bits(receivers);
-  detail::with_cub_temp(e, [&](void* temp, std::size_t& bytes) {
-    return cub::DeviceRadixSort::SortPairs(temp, bytes, rank.data(), rank_sorted.data(),
-                                           order.data(), order_sorted.data(), total, 0, end_bit,
-                                           e.stream());
-  });
-  detail::each_thread(e,
-                      GatherEntries{order_sorted.data(), tensor.data(), index.data(), bits.data(),
-                                    b.tensor.data(), b.index.data(), b.bits.data()},
-                      total);
-  return b;
+  const bool whole = batches.size() == 1;
+  RouteTotals out;
+  std::vector<std::uint64_t> per_receiver(receivers, 0);
+  // Brings the 8-byte counts at from[0..k) to pinned host memory (one synchronisation).
+  auto counts_of = [&](std::initializer_list<const void*> from) {
+    auto* h = reinterpret_cast<std::uint64_t*>(staging.reserve(8 * from.size()));
+    std::size_t i = 0;
+    for (const void* p : from) {
+      DTE_CUDA_TRY(cudaMemcpyAsync(h + i++, p, 8, cudaMemcpyDeviceToHost, e.stream()));
+    }
+    e.synchronize();
+    return h;
+  };
+  for (const RouteBatch& batch : batches) {
+    const std::int64_t n = batch.end - batch.begin;
+    if (d.flagged == 0 || n == 0) continue;
+    std::size_t temp = 0;
+    const std::size_t capacity = whole ? d.flagged : static_cast<std::size_t>(n);
+    DeviceArray<std::int64_t> offsets(e, capacity);
+    DeviceArray<std::int64_t> selected(e, 1);
+    const thrust::counting_iterator<std::int64_t> in(batch.begin);
+    const auto flags = thrust::make_transform_iterator(in, detail::BitOf{send});
+    temp = std::max(temp, detail::with_cub_temp(e, [&](void* p, std::size_t& bytes) {
+                      return cub::DeviceSelect::Flagged(p, bytes, in, flags, offsets.data(),
+                                                        selected.data(), n, e.stream());
+                    }));
+    const std::uint64_t changed = whole ? d.flagged : counts_of({selected.data()})[0];
+    if (changed == 0) continue;
+    const auto work = static_cast<std::size_t>(changed);
+    DeviceArray<std::uint64_t> counts(e, work), positions(e, work);
+    detail::each_thread(
+        e, CountTargets{offsets.data(), t.items.data(), t.n_items, t.runs.data(), counts.data()},
+        work);
+    temp = std::max(temp, detail::with_cub_temp(e, [&](void* p, std::size_t& bytes) {
+                      return cub::DeviceScan::ExclusiveSum(
+                          p, bytes, counts.data(), positions.data(),
+                          static_cast<std::int64_t>(work), e.stream());
+                    }));
+    std::uint64_t total = d.entries;
+    if (!whole) {  // (the last changed element's position plus its copies)
+      const std::uint64_t* h = counts_of({positions.data() + work - 1, counts.data() + work - 1});
+      total = h[0] + h[1];
+    }
+    if (total == 0) continue;
+    if (total > batch.max_entries) {
+      throw error("dte::pipeline::device: a routing batch holds " + std::to_string(total) +
+                  " entries where its elements route to at most " +
+                  std::to_string(batch.max_entries) + "; report this");
+    }
+    const auto entries = static_cast<std::size_t>(total);
+    DeviceArray<std::uint32_t> rank(e, entries), rank_alt(e, entries), tensor(e, entries),
+        index(e, entries), out_tensor(e, entries), out_index(e, entries);
+    DeviceArray<std::uint64_t> order(e, entries), order_alt(e, entries);
+    DeviceArray<std::uint16_t> bits(e, entries), out_bits(e, entries);
+    DeviceArray<std::uint64_t> ends = DeviceArray<std::uint64_t>::zeros(e, receivers);
+    detail::each_thread(
+        e,
+        RouteEntries<Detect>{offsets.data(), t.items.data(), t.n_items, t.runs.data(),
+                             t.targets.data(), weights, positions.data(), rank.data(), order.data(),
+                             tensor.data(), index.data(), bits.data()},
+        work);
+    // A stable sort on the receiver bits only: histogram, scan and scatter in CUB's passes.
+    cub::DoubleBuffer<std::uint32_t> keys(rank.data(), rank_alt.data());
+    cub::DoubleBuffer<std::uint64_t> values(order.data(), order_alt.data());
+    temp = std::max(temp, detail::with_cub_temp(e, [&](void* p, std::size_t& bytes) {
+                      return cub::DeviceRadixSort::SortPairs(p, bytes, keys, values, entries, 0,
+                                                             end_bit, e.stream());
+                    }));
+    detail::each_thread(e,
+                        GatherEntries{values.Current(), tensor.data(), index.data(), bits.data(),
+                                      out_tensor.data(), out_index.data(), out_bits.data()},
+                        entries);
+    detail::each_thread(e, BucketEnds{keys.Current(), total, ends.data()}, entries);
+    out.peak_scratch = std::max<std::uint64_t>(
+        out.peak_scratch, offsets.bytes() + selected.bytes() + counts.bytes() + positions.bytes() +
+                              2 * rank.bytes() + tensor.bytes() + index.bytes() +
+                              out_tensor.bytes() + out_index.bytes() + 2 * order.bytes() +
+                              bits.bytes() + out_bits.bytes() + ends.bytes() + temp);
+
+    // The batch to the host: ends (then offsets and counts) per receiver, then the entries.
+    const std::size_t head = 24 * receivers;
+    std::byte* h = staging.reserve(head + 10 * entries + 16);
+    auto* end_at = reinterpret_cast<std::uint64_t*>(h);
+    auto* offset = end_at + receivers;
+    auto* count = offset + receivers;
+    auto* host_tensor = reinterpret_cast<std::uint32_t*>(h + head);
+    auto* host_index = host_tensor + entries;
+    auto* host_bits = reinterpret_cast<std::uint16_t*>(host_index + entries);
+    DTE_CUDA_TRY(
+        cudaMemcpyAsync(end_at, ends.data(), 8 * receivers, cudaMemcpyDeviceToHost, e.stream()));
+    DTE_CUDA_TRY(cudaMemcpyAsync(host_tensor, out_tensor.data(), 4 * entries,
+                                 cudaMemcpyDeviceToHost, e.stream()));
+    DTE_CUDA_TRY(cudaMemcpyAsync(host_index, out_index.data(), 4 * entries, cudaMemcpyDeviceToHost,
+                                 e.stream()));
+    DTE_CUDA_TRY(cudaMemcpyAsync(host_bits, out_bits.data(), 2 * entries, cudaMemcpyDeviceToHost,
+                                 e.stream()));
+    e.synchronize();
+    bucket_bounds(end_at, receivers, offset, count);
+    for (std::size_t r = 0; r < receivers; ++r)
+      per_receiver[r] += count[r];
+    out.entries += total;
+    ++out.batches;
+    f(BucketBatch{{host_tensor, entries},
+                  {host_index, entries},
+                  {host_bits, entries},
+                  {offset, receivers},
+                  {count, receivers}});
+  }
+  for (std::size_t r = 0; r < receivers; ++r) {
+    if (per_receiver[r] != d.per_receiver[r]) {
+      throw error("dte::pipeline::device: the detect stage counted " +
+                  std::to_string(d.per_receiver[r]) + " entries for receiver " + std::to_string(r) +
+                  " but routing gave " + std::to_string(per_receiver[r]) + "; report this");
+    }
+  }
+  return out;
 }
 
 // ---- Receiver side ----
@@ -416,12 +489,6 @@ void gather_changed(const exec::Cuda& e, const DeviceTables& t, const Kernel* ke
 }
 
 // ---- One trainer rank's publication on the device ----
-
-// What one buffer's stages produced.
-struct BufferOutput {
-  DetectResult detect;
-  Buckets buckets;  // empty in mode mark
-};
 
 // The stages over one trainer rank's shard, both buffers: the tables are built and copied once;
 // detect() binds the inverse to the access's device spans (bind_unchecked reads no element) and
@@ -545,24 +612,29 @@ class SenderPipeline {
     return out;
   }
 
-  // The engine's publication: detect, then compact, route and bucket (enqueued; the buckets are
-  // ready once the stream passes them).
-  template <class Access>
-  std::array<BufferOutput, 2> scan(const Access& access, ScanMode mode) {
-    std::array<BufferOutput, 2> out;
+  // The engine's publication: detect, then (but in mode mark) compact, route and bucket, batch
+  // by batch within the executor's scratch limit (pipeline/route_batches.hpp), each batch handed
+  // to f(BufferKind, const BucketBatch&) in shard order, dense buffer first.
+  template <class Access, class F>
+  std::array<DetectResult, 2> scan(const Access& access, ScanMode mode, F&& f) {
+    route_[0] = route_[1] = RouteTotals{};
     const std::array<DetectResult, 2> found = detect(access, mode);
-    for (int x = 0; x < 2; ++x)
-      out[x].detect = found[x];
-    if (mode == ScanMode::mark) return out;
+    if (mode == ScanMode::mark) return found;
     for (layout::BufferKind b : buffers) {
       const int x = static_cast<int>(b);
       if (plan_.shard_size(b) == 0) continue;
-      const auto offsets =
-          compact(exec_, send_[x].data(), plan_.shard_size(b), out[x].detect.flagged);
-      out[x].buckets =
-          route_and_bucket<Detect>(exec_, tables_[x], weights_[x].data(), offsets, out[x].detect);
+      route_[x] = route_and_bucket<Detect>(exec_, tables_[x], weights_[x].data(), send_[x].data(),
+                                           found[x], route_plan_[x], staging_,
+                                           [&](const BucketBatch& batch) { f(b, batch); });
     }
-    return out;
+    return found;
+  }
+  // What the last scan's routing did, per buffer.
+  [[nodiscard]] const RouteTotals& routed(layout::BufferKind b) const noexcept {
+    return route_[static_cast<int>(b)];
+  }
+  [[nodiscard]] std::span<const RouteBatch> route_plan(layout::BufferKind b) const noexcept {
+    return route_plan_[static_cast<int>(b)];
   }
 
   // After detect(): the elements of buffer b flagged to send, in batches of at most batch_size
@@ -619,8 +691,8 @@ class SenderPipeline {
     }
   }
 
-  // Pinned host memory held for gather()'s batches.
-  [[nodiscard]] std::uint64_t host_bytes() const noexcept { return host_.size(); }
+  // Pinned host memory held for gather()'s and scan()'s batches.
+  [[nodiscard]] std::uint64_t host_bytes() const noexcept { return host_.size() + staging_.size(); }
 
  private:
   static constexpr layout::BufferKind buffers[2] = {layout::BufferKind::dense,
@@ -635,6 +707,7 @@ class SenderPipeline {
       const std::size_t words = (static_cast<std::size_t>(plan_.shard_size(b)) + 63) / 64;
       send_[x] = DeviceArray<std::uint64_t>(exec_, words);
       if (keep_mask) mask_[x] = DeviceArray<std::uint64_t>::zeros(exec_, words);
+      route_plan_[x] = route_batches(table_.runs(b), plan_.shard_size(b), exec_.scratch_limit());
     }
   }
 
@@ -671,6 +744,9 @@ class SenderPipeline {
   DeviceArray<const float*> weights_[2];  // per plan segment, bound by the last detect()
   exec::PinnedBuffer pinned_[2];          // the counts of each buffer's detect pass
   exec::PinnedBuffer host_;               // gather()'s batches
+  exec::PinnedBuffer staging_;            // scan()'s batches on their way to the encoder
+  std::vector<RouteBatch> route_plan_[2];
+  RouteTotals route_[2];
 };
 
 }  // namespace dte::pipeline::device

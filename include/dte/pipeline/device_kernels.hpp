@@ -6,6 +6,7 @@
 //   CountTargets   stage 3a, per changed element: its receiver copies
 //   RouteEntries   stage 3b, per changed element: its entries and their sort keys
 //   GatherEntries  stage 4b, per entry: the entries in bucket order
+//   BucketEnds     stage 4c, per entry in bucket order: where each receiver's bucket ends
 //   CheckEntries   receiver, per entry: the first one outside the live elements
 //   WriteEntries   receiver, per entry: the write and the digest's move
 //   GatherChanged  a publication's batch, per selected element: its bits and previous bits
@@ -254,6 +255,31 @@ struct GatherEntries {
     out_bits[e] = bits[src];
   }
 };
+
+// Stage 4c, per entry e of n in bucket order (rank: the sorted receivers): the last entry of
+// each receiver's bucket writes ends[receiver] = e + 1. Receivers without an entry keep their 0;
+// bucket_bounds turns the ends into offsets and counts.
+struct BucketEnds {
+  const std::uint32_t* rank;
+  std::uint64_t n;
+  std::uint64_t* ends;
+
+  DTE_HOST_DEVICE void operator()(std::uint64_t e) const {
+    if (e + 1 == n || rank[e + 1] != rank[e]) ends[rank[e]] = e + 1;
+  }
+};
+
+// Host: each receiver's bucket [offset[d], offset[d] + count[d]) from BucketEnds' ends.
+inline void bucket_bounds(const std::uint64_t* ends, std::size_t receivers, std::uint64_t* offset,
+                          std::uint64_t* count) noexcept {
+  std::uint64_t at = 0;
+  for (std::size_t d = 0; d < receivers; ++d) {
+    const std::uint64_t end = ends[d] == 0 ? at : ends[d];
+    offset[d] = at;
+    count[d] = end - at;
+    at = end;
+  }
+}
 
 // Receiver, per entry e, before anything is written: the first bad one (lowest index) is
 // recorded in first_bad.
