@@ -81,25 +81,17 @@ struct MpiTwoRoundConfig {
   int tag = 0x6474;  // "dt"; round 2 uses tag + 1, checkpoints tag + 2
 };
 
-// Where received messages live. HostMemory: ordinary host vectors (the host Receiver reads them
-// in place). A CUDA-aware MPI can receive straight into device memory instead:
-// dte/transport/mpi_cuda.cuh provides CudaDeviceMemory and CudaAwareMpiTwoRound. Payload spans
-// handed to a sender may then point to device memory as well.
-struct HostMemory {
-  using buffer = Bytes;
-  static buffer allocate(std::size_t bytes) { return Bytes(bytes); }
-  static std::byte* data(buffer& b) noexcept { return b.data(); }
-};
-
-template <class Memory = HostMemory>
-class BasicMpiTwoRound {
+// Received messages are host vectors, which the receiver core decodes in place. (There is no
+// device-memory variant: dte's messages are host bytes at both ends. The CUDA sender encodes them
+// on the host from its pinned batches, and every receiver decodes on the host, so a CUDA-aware
+// MPI would have nothing in device memory to move.)
+class MpiTwoRound {
  public:
   using transport_tag = void;
-  using memory = Memory;
-  using inbox_type = std::vector<std::pair<std::int64_t, typename Memory::buffer>>;
+  using inbox_type = std::vector<std::pair<std::int64_t, Bytes>>;
 
   // Ranks [0, senders) of `comm` send; ranks [senders, senders + receivers) receive.
-  BasicMpiTwoRound(MPI_Comm comm, int senders, int receivers, MpiTwoRoundConfig cfg = {})
+  MpiTwoRound(MPI_Comm comm, int senders, int receivers, MpiTwoRoundConfig cfg = {})
       : comm_(comm), senders_(senders), receivers_(receivers), cfg_(cfg) {
     DTE_MPI_TRY(MPI_Comm_rank(comm, &rank_));
     int size = 0;
@@ -221,10 +213,9 @@ class BasicMpiTwoRound {
       inbox.reserve(static_cast<std::size_t>(senders_));
       for (int s = 0; s < senders_; ++s) {
         if (counts[static_cast<std::size_t>(s)] == 0) continue;
-        inbox.emplace_back(
-            s, Memory::allocate(static_cast<std::size_t>(counts[static_cast<std::size_t>(s)])));
-        post_receives(Memory::data(inbox.back().second), counts[static_cast<std::size_t>(s)], s,
-                      reqs, peer);
+        inbox.emplace_back(s, Bytes(static_cast<std::size_t>(counts[static_cast<std::size_t>(s)])));
+        post_receives(inbox.back().second.data(), counts[static_cast<std::size_t>(s)], s, reqs,
+                      peer);
       }
     }
     wait_all(reqs, peer, "round 2 (payloads)");
@@ -296,7 +287,6 @@ class BasicMpiTwoRound {
   std::function<void()> between_rounds_;
 };
 
-using MpiTwoRound = BasicMpiTwoRound<HostMemory>;
 static_assert(transport<MpiTwoRound>);
 
 }  // namespace dte
