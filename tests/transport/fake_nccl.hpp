@@ -55,7 +55,7 @@ struct Op {
   std::uint64_t seq = 0;
   bool posted = false;
   bool* flag = nullptr;
-  std::shared_ptr<Message> message;  // a send's, once posted
+  std::shared_ptr<Message> message{};  // a send's, once posted
   [[nodiscard]] bool is_nccl() const { return kind == send || kind == recv || kind == reduce; }
 };
 
@@ -277,33 +277,23 @@ class Runtime {
     std::lock_guard lock(w_->m_);
     Rank& k = w_->at(r_);
     if (r_ == w_->fail_rank_ && ++k.sends == w_->fail_at_) return ncclSystemError;
-    Op o;
-    o.kind = Op::send;
-    o.src = p;
-    o.n = n * bytes_of(t);
-    o.peer = peer;
-    return point_to_point(k, o);
+    return point_to_point(k, {.kind = Op::send, .src = p, .n = n * bytes_of(t), .peer = peer});
   }
   ncclResult_t recv(void* p, std::size_t n, ncclDataType_t t, int peer, Rank*, int) const {
     std::lock_guard lock(w_->m_);
-    Op o;
-    o.kind = Op::recv;
-    o.dst = p;
-    o.n = n * bytes_of(t);
-    o.peer = peer;
-    return point_to_point(w_->at(r_), o);
+    return point_to_point(w_->at(r_),
+                          {.kind = Op::recv, .dst = p, .n = n * bytes_of(t), .peer = peer});
   }
   ncclResult_t all_reduce(const void* in, void* out, std::size_t n, ncclDataType_t t,
                           ncclRedOp_t op, Rank*, int) const {
     std::lock_guard lock(w_->m_);
     if (t != ncclUint64) return ncclInvalidArgument;
-    Op o;
-    o.kind = Op::reduce;
-    o.src = in;
-    o.dst = out;
-    o.n = n;
-    o.op = op;
-    o.seq = w_->at(r_).reductions++;
+    const Op o{.kind = Op::reduce,
+               .dst = out,
+               .src = in,
+               .n = n,
+               .op = op,
+               .seq = w_->at(r_).reductions++};
     return w_->issue(r_, {o});
   }
   int create_stream() const { return 1; }
@@ -313,10 +303,7 @@ class Runtime {
   void record(bool* e, int) const {
     std::lock_guard lock(w_->m_);
     *e = false;
-    Op o;
-    o.kind = Op::event;
-    o.flag = e;
-    enqueue(o);
+    enqueue({.kind = Op::event, .flag = e});
   }
   bool query(bool* e) const {
     std::lock_guard lock(w_->m_);
@@ -358,21 +345,11 @@ class Runtime {
                       "(from pageable memory it blocks the host until a peer answers)");
       }
     }
-    Op o;
-    o.kind = Op::copy;
-    o.dst = dst;
-    o.src = src;
-    o.n = n;
-    enqueue(o);
+    enqueue({.kind = Op::copy, .dst = dst, .src = src, .n = n});
   }
   void memset_async(void* p, int value, std::size_t n, int) const {
     std::lock_guard lock(w_->m_);
-    Op o;
-    o.kind = Op::fill;
-    o.dst = p;
-    o.value = value;
-    o.n = n;
-    enqueue(o);
+    enqueue({.kind = Op::fill, .dst = p, .n = n, .value = value});
   }
 
  private:
