@@ -26,3 +26,8 @@ cmake --build "$build" -j "$jobs"
 # (tests run side by side, each with every core: idle OpenMP threads sleep instead of spinning)
 OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-passive}" ctest --test-dir "$build" -j "$jobs" --output-on-failure "$@"
 "$root/tools/python-tests.sh"
+# The offline GPU bundle (docs/gpu.md), wherever nvcc is: built and checked (size, libraries,
+# its run.sh loading every executable here), so that it cannot rot.
+if command -v nvcc >/dev/null; then
+  DTE_BUILD_DIR="$build" "$root/tools/gpu-bundle.sh"
+fi

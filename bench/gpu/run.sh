@@ -1,148 +1,208 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# The one GPU script: on a machine with a CUDA device, in at most ~5 minutes,
-#   1. builds the CUDA targets (Release, this machine's architecture only, ccache if present),
-#   2. runs every `gpu` test (ctest -L gpu; test_cuda_pipeline compares the host and device
-#      senders' message bytes, which the one sending policy makes equal),
-#   3. runs compute-sanitizer (memcheck, racecheck) on the CUDA pipeline test (the > 2^31
-#      element case left out: under the sanitizer it would take minutes),
-#   4. runs the GPU benchmarks (bench_gpu),
-#   5. the Python binding on CUDA tensors: builds dte._native with nvcc into a venv over a
-#      python3 that has torch, then runs tests/python/test_cuda.py (the GPU publisher's
-#      messages equal the host's byte for byte, receivers bit-identical) and
-#      bench/gpu/bench_binding.py (time per element beside the optimizer step); skipped, with
-#      the reason in summary.json, where no python3 has torch or torch sees no GPU,
-# and writes under $OUT (or the directory given as the first argument):
-#   summary.json  what ran and how it ended;   bench_gpu.json, bench_binding.json  the figures;
-#   ctest_gpu.log, memcheck.log, racecheck.log, build.log, binding_build.log, binding_test.log.
-# Without a device it builds (the binding too, where it can), says "no device" and writes
-# summary.json saying so (exit 0).
-#   bench/gpu/run.sh [OUTDIR]
+# The one GPU script: runs the offline bundle (tools/gpu-bundle.sh) on a machine with a CUDA
+# device, with no network and no compiler, within a device-time budget of 285 s (under five
+# minutes, start to summary.json; DTE_GPU_BUDGET_S lowers it). Each step has its own timeout, cut
+# to what is left of the budget; a step that no longer fits is "not run". In order:
+#   test_cuda_backend, test_cuda_pipeline (the host and device senders' messages byte for byte),
+#   test_cuda_golden, test_cuda_publication, test_nccl_transport (needs the machine's
+#   libnccl.so.2: the system's, the CUDA toolkit's, or torch's nvidia-nccl wheel; needs 2 GPUs,
+#   else it skips),
+#   bench_gpu (bench_gpu.json: detect bandwidth as a fraction of a copy measured in the same run),
+#   compute-sanitizer memcheck on test_cuda_pipeline's receiver and refusal cases ("skipped: no
+#   compute-sanitizer" where the tool is missing, or the reason it could not start),
+#   the binding's CUDA test (tests/python/test_cuda.py) and bench_binding.py, with the machine's
+#   python3 and torch, where the bundle's dte._native is for that python (else skipped, saying so).
+# Writes under OUTDIR (default $OUT, else ./gpu-out): summary.json (the device's name, driver,
+# memory and compute capability; per step its status, exit code, seconds and log), device.txt,
+# one log per step, bench_gpu.json, bench_binding.json.
+# Where no device is (tools/gpu-bundle.sh runs it so in CI) every executable must load, pass its
+# no-device checks and skip (exit 77); summary.json then says "no device". Exit 0 when nothing
+# failed.
+#   bench/gpu/run.sh BUNDLE [OUTDIR]       (the bundle's own copy: BUNDLE/run.sh BUNDLE [OUTDIR])
 set -uo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-out="${1:-${OUT:-$root/build-gpu/out}}"
-build="${DTE_GPU_BUILD_DIR:-$root/build-gpu}"
+bundle="${1:?usage: run.sh BUNDLE [OUTDIR] (BUNDLE: what tools/gpu-bundle.sh made)}"
+bundle="$(cd "$bundle" && pwd)"
+out="${2:-${OUT:-$PWD/gpu-out}}"
 mkdir -p "$out"
+out="$(cd "$out" && pwd)"
+budget="${DTE_GPU_BUDGET_S:-285}"
+[ "$budget" -le 285 ] || budget=285
 start=$(date +%s)
-if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
-  export PATH="/usr/local/cuda/bin:$PATH"
-fi
-
-# What the build needs (Debian packages; apt only where something is missing).
-need=()
-for tool in cmake ninja; do command -v "$tool" >/dev/null || need+=("$tool"); done
-[ -f /usr/include/doctest/doctest.h ] || need+=(doctest-dev)
-[ -f /usr/include/nlohmann/json.hpp ] || need+=(nlohmann-json3-dev)
-command -v mpirun >/dev/null || need+=(libopenmpi-dev openmpi-bin)
-if [ ${#need[@]} -gt 0 ]; then
-  [ "$(id -u)" = 0 ] && sudo="" || sudo="sudo"
-  pkgs=("${need[@]/ninja/ninja-build}")
-  { $sudo apt-get update && $sudo apt-get install -y --no-install-recommends "${pkgs[@]}"; } \
-    >"$out/install.log" 2>&1 || echo "run.sh: could not install ${pkgs[*]} (see install.log)"
-fi
-
-arch="80;90"
-if command -v nvidia-smi >/dev/null && cc=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1) && [ -n "$cc" ]; then
-  arch="${cc//./}"
-fi
-launcher=()
-command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
-targets=(test_cuda_backend test_cuda_pipeline test_cuda_golden test_cuda_publication bench_gpu)
-configure_and_build() {
-  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    -DCMAKE_CUDA_ARCHITECTURES="$arch" "${launcher[@]}" || return 1
-  # The NCCL test and example exist where NCCL (and MPI) were found.
-  for t in test_nccl_transport example_nccl_sync; do
-    ninja -C "$build" -t targets all 2>/dev/null | grep -q "^$t:" && targets+=("$t")
-  done
-  cmake --build "$build" -j "$(nproc)" --target "${targets[@]}"
+deadline=$((start + budget))
+[ -d "$bundle/bin" ] && [ -f "$bundle/MANIFEST" ] || {
+  echo "run.sh: $bundle is not a bundle (no bin/ or MANIFEST): make one with tools/gpu-bundle.sh" >&2
+  exit 2
 }
-configure_and_build >"$out/build.log" 2>&1
-build_rc=$?
 
+json_escape() { local s="${1//\\/\\\\}"; s="${s//\"/\\\"}"; printf '%s' "${s//$'\n'/ }"; }
+steps=()  # '"name": {...}' each
+record() {  # name status rc seconds log
+  steps+=("\"$1\": {\"status\": \"$(json_escape "$2")\", \"rc\": ${3:-null}, \"seconds\": $4, \"log\": \"$5\"}")
+  printf 'run.sh: %-22s %s (%s s)\n' "$1" "$2" "$4"
+}
+
+# The device.
 devices=0
+name="" driver="" memory="" capability=""
 if command -v nvidia-smi >/dev/null; then
-  devices=$(nvidia-smi --list-gpus 2>/dev/null | grep -c '^GPU' || true)
+  nvidia-smi >"$out/device.txt" 2>&1 || true
+  line=$(timeout 20 nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap \
+    --format=csv,noheader 2>/dev/null | head -1)
+  devices=$(timeout 20 nvidia-smi --list-gpus 2>/dev/null | grep -c '^GPU' || true)
+  IFS=',' read -r name driver memory capability <<<"$line"
+  name="${name# }" driver="${driver# }" memory="${memory# }" capability="${capability# }"
+else
+  echo "no nvidia-smi on this machine" >"$out/device.txt"
 fi
-summary() {  # summary.json from the shell: no jq needed
-  local status="$1" note="$2"
-  printf '{\n  "status": "%s",\n  "note": "%s",\n  "devices": %s,\n  "architectures": "%s",\n  "build_rc": %s,\n  "ctest_gpu_rc": %s,\n  "memcheck_rc": %s,\n  "racecheck_rc": %s,\n  "bench_rc": %s,\n  "binding": "%s",\n  "binding_test_rc": %s,\n  "binding_bench_rc": %s,\n  "seconds": %s\n}\n' \
-    "$status" "$note" "$devices" "$arch" "$build_rc" "${ctest_rc:-null}" "${memcheck_rc:-null}" \
-    "${racecheck_rc:-null}" "${bench_rc:-null}" "$binding" "${binding_test_rc:-null}" \
-    "${binding_bench_rc:-null}" "$(( $(date +%s) - start ))" >"$out/summary.json"
-  cat "$out/summary.json"
-}
 
-# The binding: a python3 with torch (DTE_GPU_PYTHON, else the first on PATH), a venv over it
-# (--system-site-packages: its torch), nanobind and scikit-build-core there (pip, where the
-# machine can reach PyPI), then dte._native built with nvcc for this machine's architecture.
-binding="not built"
-binding_python=""
-build_binding() {
-  local p
-  for p in ${DTE_GPU_PYTHON:-} python3 /usr/bin/python3; do
-    if command -v "$p" >/dev/null && "$p" -c "import torch" 2>/dev/null; then binding_python="$p"; break; fi
+# Libraries: the bundle's, then the machine's NCCL (the system's, else a Python wheel's).
+libs="$bundle/lib"
+nccl=""
+if ldconfig -p 2>/dev/null | grep -q 'libnccl\.so\.2 '; then
+  nccl="system"
+elif n=$(ls /usr/local/cuda*/lib*/libnccl.so.2 2>/dev/null | head -1) && [ -n "$n" ]; then
+  nccl="$(dirname "$n")"
+  libs="$libs:$nccl"
+else
+  for py in python3 /usr/bin/python3; do
+    command -v "$py" >/dev/null || continue
+    for site in $("$py" -c "import site; print(' '.join(site.getsitepackages()))" 2>/dev/null); do
+      n=$(find "$site/nvidia" -maxdepth 4 -name 'libnccl.so.2' 2>/dev/null | head -1)
+      if [ -n "$n" ]; then nccl="$(dirname "$n")"; libs="$libs:$nccl"; break 2; fi
+    done
   done
-  if [ -z "$binding_python" ]; then binding="skipped: no python3 with torch"; return 1; fi
-  local venv="$build/pyenv"
-  [ -x "$venv/bin/python" ] || "$binding_python" -m venv --system-site-packages "$venv" || {
-    binding="skipped: could not make a venv"; return 1; }
-  "$venv/bin/python" -c "import nanobind, scikit_build_core, pytest" 2>/dev/null ||
-    "$venv/bin/python" -m pip install -q "nanobind>=2.0" "scikit-build-core>=0.8" pytest || {
-    binding="skipped: no nanobind, scikit-build-core and pytest (and no PyPI)"; return 1; }
-  "$venv/bin/python" -m pip install -q --no-build-isolation \
-    --config-settings="build-dir=$build/python" \
-    --config-settings="cmake.define.CMAKE_CUDA_ARCHITECTURES=$arch" "$root" || {
-    binding="build failed (see binding_build.log)"; return 1; }
-  "$venv/bin/python" -c "import dte; assert dte._native.cuda_built, 'built without CUDA'" || {
-    binding="built without CUDA (see binding_build.log)"; return 1; }
-  binding="built with CUDA ($arch)"
-}
-build_binding >"$out/binding_build.log" 2>&1
-binding_rc=$?
-if [ "$build_rc" != 0 ]; then
-  tail -30 "$out/build.log"
-  summary "build failed" "see build.log"
-  exit 1
 fi
+machine_ld="${LD_LIBRARY_PATH:-}"
+export LD_LIBRARY_PATH="$libs${machine_ld:+:$machine_ld}"
+
+# One step: name cap command...; its timeout is min(cap, what the budget has left).
+status_of() {  # rc -> status
+  case "$1" in
+    0) echo passed ;;
+    77) echo "skipped: no CUDA device" ;;
+    124 | 137) echo "timed out after $2 s" ;;
+    *) echo "failed (exit $1)" ;;
+  esac
+}
+failed=0
+step() {
+  local name="$1" cap="$2"
+  shift 2
+  local left=$((deadline - $(date +%s) - 10))
+  if [ "$left" -lt 5 ]; then
+    record "$name" "not run: the ${budget} s budget was spent" null 0 ""
+    return 1
+  fi
+  local t=$((cap < left ? cap : left)) t0 rc
+  t0=$(date +%s)
+  timeout -k 5 "$t" "$@" >"$out/$name.log" 2>&1
+  rc=$?
+  local st
+  st=$(status_of "$rc" "$t")
+  case "$st" in passed | skipped*) ;; *) failed=1 ;; esac
+  record "$name" "$st" "$rc" "$(($(date +%s) - t0))" "$name.log"
+  return "$rc"
+}
+# An executable of the bundle: refused before it runs when a library it needs is missing.
+run_exe() {
+  local name="$1" cap="$2"
+  shift 2
+  local exe="$bundle/bin/$name" missing
+  if [ ! -x "$exe" ]; then
+    record "$name" "not in this bundle" null 0 ""
+    return
+  fi
+  missing=$(ldd "$exe" 2>&1 | sed -n 's/^[[:space:]]*\([^ ]*\) => not found/\1/p' | tr '\n' ' ')
+  if [ -n "$missing" ]; then
+    if [ "$missing" = "libnccl.so.2 " ]; then
+      record "$name" "skipped: no libnccl.so.2 on this machine (system or python wheel)" null 0 ""
+    else
+      record "$name" "failed: libraries not found: $missing" null 0 ""
+      failed=1
+    fi
+    return
+  fi
+  step "$name" "$cap" "$exe" "$@"
+}
+
+run_exe test_cuda_backend 40
+run_exe test_cuda_pipeline 75
+run_exe test_cuda_golden 45
+run_exe test_cuda_publication 30
+run_exe test_nccl_transport 30
+run_exe bench_gpu 45 --out "$out/bench_gpu.json"
+
+# compute-sanitizer memcheck on the receiver's writes and a refusal.
+sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 if [ "$devices" = 0 ]; then
-  echo "run.sh: built ${targets[*]}; binding: $binding; no device: nothing to run"
-  "$build/bench/bench_gpu" --out "$out/bench_gpu.json" >/dev/null; bench_rc=$?
-  summary "no device" "built; no CUDA device, so no test, sanitizer or benchmark ran"
-  exit 0
+  record memcheck "skipped: no CUDA device" null 0 ""
+elif [ ! -x "$sanitizer" ]; then
+  record memcheck "skipped: no compute-sanitizer" null 0 ""
+else
+  t0=$(date +%s)
+  left=$((deadline - t0 - 10))
+  if [ "$left" -lt 5 ]; then
+    record memcheck "not run: the ${budget} s budget was spent" null 0 ""
+  else
+    cap=$((60 < left ? 60 : left))
+    timeout -k 5 "$cap" "$sanitizer" --tool memcheck --error-exitcode 1 \
+      "$bundle/bin/test_cuda_pipeline" '--test-case=*device apply*,*refused*' >"$out/memcheck.log" 2>&1
+    rc=$?
+    if [ "$rc" != 0 ] && grep -qiE 'not supported|unable to|could not|failed to (start|launch|initialize)' "$out/memcheck.log" &&
+      ! grep -q 'ERROR SUMMARY: [1-9]' "$out/memcheck.log"; then
+      record memcheck "skipped: compute-sanitizer could not run here: $(grep -m1 -iE 'not supported|unable to|could not|failed to' "$out/memcheck.log")" "$rc" "$(($(date +%s) - t0))" memcheck.log
+    else
+      st=$(status_of "$rc" "$cap")
+      [ "$st" = passed ] || failed=1
+      record memcheck "$st" "$rc" "$(($(date +%s) - t0))" memcheck.log
+    fi
+  fi
 fi
 
-ctest --test-dir "$build" -L gpu --output-on-failure --timeout 240 >"$out/ctest_gpu.log" 2>&1
-ctest_rc=$?
-tail -15 "$out/ctest_gpu.log"
-sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-exclude='--test-case-exclude=*2^31*'
-timeout 150 "$sanitizer" --tool memcheck --error-exitcode 1 \
-  "$build/tests/cuda/test_cuda_pipeline" "$exclude" >"$out/memcheck.log" 2>&1
-memcheck_rc=$?
-timeout 150 "$sanitizer" --tool racecheck --error-exitcode 1 \
-  "$build/tests/cuda/test_cuda_pipeline" "$exclude" '--test-case=*every mode*' >"$out/racecheck.log" 2>&1
-racecheck_rc=$?
-tail -3 "$out/memcheck.log" "$out/racecheck.log"
-timeout 120 "$build/bench/bench_gpu" --out "$out/bench_gpu.json" >"$out/bench_gpu.log" 2>&1
-bench_rc=$?
-cat "$out/bench_gpu.json" 2>/dev/null | head -60
-if [ "$binding_rc" = 0 ] && ! "$build/pyenv/bin/python" -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
-  binding="$binding; not run: this torch sees no GPU (a CPU-only torch?)"
-  binding_rc=1
+# The binding, with this machine's python3 and torch.
+python=""
+for p in ${DTE_GPU_PYTHON:-} python3 /usr/bin/python3; do
+  if command -v "$p" >/dev/null && "$p" -c "import torch" 2>/dev/null; then python="$p"; break; fi
+done
+binding_skip=""
+if [ ! -f "$bundle/python/TAG" ]; then
+  binding_skip="skipped: the bundle has no binding ($(sed -n 's/^binding: //p' "$bundle/MANIFEST"))"
+elif [ -z "$python" ]; then
+  binding_skip="skipped: no python3 with torch on this machine"
+elif [ "$("$python" -c 'import sys; print(sys.implementation.cache_tag)')" != "$(cat "$bundle/python/TAG")" ]; then
+  binding_skip="skipped: the bundle's dte._native is for $(cat "$bundle/python/TAG"), this machine's $python is $("$python" -c 'import sys; print(sys.implementation.cache_tag)') (make the bundle with a venv of that Python: DTE_PYTHON_VENV)"
+elif ! "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  binding_skip="skipped: this machine's torch sees no CUDA device"
 fi
-if [ "$binding_rc" = 0 ]; then
-  # (the tiny model's test, then the benchmark on a ~0.46 B parameter model)
-  (cd "$root/tests/python" && timeout 240 "$build/pyenv/bin/python" -m pytest -q -rs test_cuda.py) \
-    >"$out/binding_test.log" 2>&1
-  binding_test_rc=$?
-  timeout 180 "$build/pyenv/bin/python" "$root/bench/gpu/bench_binding.py" \
-    --out "$out/bench_binding.json" >"$out/binding_bench.log" 2>&1
-  binding_bench_rc=$?
-  tail -5 "$out/binding_test.log"; head -30 "$out/binding_bench.log"
+if [ -n "$binding_skip" ]; then
+  record binding_test "$binding_skip" null 0 ""
+  record binding_bench "$binding_skip" null 0 ""
+else
+  # (the bundle's dte and pytest first; the machine's libraries first, then the extension's own
+  # python/lib: not the bundle's CUDA runtime, torch loads its own)
+  py_env=(env PYTHONPATH="$bundle/python" PYTHONDONTWRITEBYTECODE=1)
+  py_env+=(LD_LIBRARY_PATH="${machine_ld:+$machine_ld:}$bundle/python/lib")
+  step binding_test 60 "${py_env[@]}" "$python" -m pytest -q -rs -p no:cacheprovider \
+    "$bundle/src/tests/python/test_cuda.py"
+  step binding_bench 60 "${py_env[@]}" "$python" "$bundle/src/bench/gpu/bench_binding.py" \
+    --small --out "$out/bench_binding.json"
 fi
+
 status=ok
-[ "$ctest_rc$memcheck_rc$racecheck_rc$bench_rc" = 0000 ] || status=failed
-[ "${binding_test_rc:-0}${binding_bench_rc:-0}" = 00 ] || status=failed
-summary "$status" "see the logs beside this file"
-[ "$status" = ok ]
+[ "$devices" = 0 ] && status="no device"
+[ "$failed" = 0 ] || status=failed
+{
+  printf '{\n  "status": "%s",\n' "$status"
+  printf '  "device": {"name": "%s", "driver": "%s", "memory": "%s", "compute_capability": "%s", "count": %s},\n' \
+    "$(json_escape "$name")" "$(json_escape "$driver")" "$(json_escape "$memory")" "$(json_escape "$capability")" "${devices:-0}"
+  printf '  "bundle": "%s",\n' "$(json_escape "$(head -1 "$bundle/MANIFEST")")"
+  printf '  "nccl": "%s",\n' "$(json_escape "${nccl:-not found}")"
+  printf '  "budget_s": %s,\n  "seconds": %s,\n  "steps": {\n' "$budget" "$(($(date +%s) - start))"
+  for i in "${!steps[@]}"; do
+    printf '    %s%s\n' "${steps[$i]}" "$([ "$i" -lt $((${#steps[@]} - 1)) ] && echo ,)"
+  done
+  printf '  }\n}\n'
+} >"$out/summary.json"
+cat "$out/summary.json"
+[ "$status" != failed ]
