@@ -43,6 +43,18 @@ cudaError_t call(const char* name, const void* pointer = nullptr, std::size_t by
   return cudaSuccess;
 }
 
+// Host memory standing in for device or pinned memory, held in `in` until released.
+void* hold(std::map<const void*, std::size_t>& in, std::size_t size) {
+  void* p = std::malloc(size);
+  in[p] = size;
+  state().calls.back().pointer = p;
+  return p;
+}
+void release(std::map<const void*, std::size_t>& in, void* p) {
+  in.erase(p);
+  std::free(p);
+}
+
 // Pool handles: addresses of these (never dereferenced by the runtime's callers).
 int pool_storage[64];
 
@@ -94,46 +106,40 @@ cudaError_t CUDARTAPI cudaMallocFromPoolAsync(void** p, size_t size, cudaMemPool
                                               cudaStream_t stream) {
   const cudaError_t rc = call("cudaMallocFromPoolAsync", pool, size, stream);
   if (rc != cudaSuccess) return rc;
-  *p = std::malloc(size);
-  state().device_memory[*p] = size;
+  *p = fake_cuda::hold(state().device_memory, size);
+  state().calls.back().pointer = pool;  // (the pool it came from)
   return cudaSuccess;
 }
 
 cudaError_t CUDARTAPI cudaFreeAsync(void* p, cudaStream_t stream) {
   const cudaError_t rc = call("cudaFreeAsync", p, 0, stream);
-  state().device_memory.erase(p);
-  std::free(p);
+  fake_cuda::release(state().device_memory, p);
   return rc;
 }
 
 cudaError_t CUDARTAPI cudaMalloc(void** p, size_t size) {
   const cudaError_t rc = call("cudaMalloc", nullptr, size);
   if (rc != cudaSuccess) return rc;
-  *p = std::malloc(size);
-  state().device_memory[*p] = size;
-  state().calls.back().pointer = *p;
+  *p = fake_cuda::hold(state().device_memory, size);
   return cudaSuccess;
 }
 
 cudaError_t CUDARTAPI cudaFree(void* p) {
   const cudaError_t rc = call("cudaFree", p);
-  state().device_memory.erase(p);
-  std::free(p);
+  fake_cuda::release(state().device_memory, p);
   return rc;
 }
 
 cudaError_t CUDARTAPI cudaMallocHost(void** p, size_t size) {
   const cudaError_t rc = call("cudaMallocHost", nullptr, size);
   if (rc != cudaSuccess) return rc;
-  *p = std::malloc(size);
-  state().host_memory[*p] = size;
+  *p = fake_cuda::hold(state().host_memory, size);
   return cudaSuccess;
 }
 
 cudaError_t CUDARTAPI cudaFreeHost(void* p) {
   const cudaError_t rc = call("cudaFreeHost", p);
-  state().host_memory.erase(p);
-  std::free(p);
+  fake_cuda::release(state().host_memory, p);
   return rc;
 }
 

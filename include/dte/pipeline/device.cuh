@@ -633,9 +633,6 @@ class SenderPipeline {
   [[nodiscard]] const RouteTotals& routed(layout::BufferKind b) const noexcept {
     return route_[static_cast<int>(b)];
   }
-  [[nodiscard]] std::span<const RouteBatch> route_plan(layout::BufferKind b) const noexcept {
-    return route_plan_[static_cast<int>(b)];
-  }
 
   // After detect(): the elements of buffer b flagged to send, in batches of at most batch_size
   // shard offsets, each brought to the host (one synchronisation per batch) and handed to
