@@ -160,13 +160,7 @@ class CudaEnginePath final : public golden::Path {
           Rank& me = *ranks_[r];
           published[r] = f(*me.engine, me.access ? *me.access : any, reports[r]) ? 1 : 0;
         });
-    const std::int64_t refuser = ranks_[0]->engine->refused_by();
-    if (refuser >= 0 && errors[static_cast<std::size_t>(refuser)]) {
-      std::rethrow_exception(errors[static_cast<std::size_t>(refuser)]);
-    }
-    for (const auto& e : errors) {
-      if (e) std::rethrow_exception(e);
-    }
+    sim::detail::rethrow_first(errors, ranks_[0]->engine->refused_by());
     if (published[0] == 0) return std::nullopt;
     return reports[0];
   }

@@ -32,6 +32,7 @@
 #include "dte/sim/dense_check.hpp"
 #include "dte/sim/device_access.cuh"
 #include "dte/sim/synthetic_trainer.hpp"
+#include "dte/sim/threads.hpp"
 #include "dte/transport/nccl.cuh"
 
 namespace {
@@ -48,25 +49,12 @@ World world_for_devices() {
   return {n / 2, n - n / 2};
 }
 
-// Runs f(rank) on one thread per rank, each on its own device; rethrows the first failure.
+// Runs f(rank) on one thread per rank, each on its own device; rethrows the lowest rank's failure.
 void on_every_rank(const World& w, const std::function<void(int)>& f) {
-  std::vector<std::thread> threads;
-  std::exception_ptr first;
-  std::mutex m;
-  for (int r = 0; r < w.size(); ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        DTE_CUDA_TRY(cudaSetDevice(r));
-        f(r);
-      } catch (...) {
-        std::lock_guard lock(m);
-        if (!first) first = std::current_exception();
-      }
-    });
-  }
-  for (std::thread& t : threads)
-    t.join();
-  if (first) std::rethrow_exception(first);
+  dte::sim::run_ranks(static_cast<std::size_t>(w.size()), [&](std::size_t r) {
+    DTE_CUDA_TRY(cudaSetDevice(static_cast<int>(r)));
+    f(static_cast<int>(r));
+  });
 }
 
 }  // namespace

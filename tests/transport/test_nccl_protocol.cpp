@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "dte/error.hpp"
+#include "dte/sim/threads.hpp"
 #include "fake_nccl.hpp"
 #include "transport_suite.hpp"
 
@@ -33,24 +34,10 @@ struct Shape {
   [[nodiscard]] int size() const { return senders + receivers; }
 };
 
-// f(rank) on one thread per rank; the first exception is rethrown.
+// f(rank) on one thread per rank; the lowest rank's exception is rethrown.
 void on_every_rank(const Shape& w, const std::function<void(int)>& f) {
-  std::vector<std::thread> threads;
-  std::exception_ptr first;
-  std::mutex m;
-  for (int r = 0; r < w.size(); ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        f(r);
-      } catch (...) {
-        std::lock_guard lock(m);
-        if (!first) first = std::current_exception();
-      }
-    });
-  }
-  for (std::thread& t : threads)
-    t.join();
-  if (first) std::rethrow_exception(first);
+  dte::sim::run_ranks(static_cast<std::size_t>(w.size()),
+                      [&](std::size_t r) { f(static_cast<int>(r)); });
 }
 
 dte::NcclTwoRoundConfig config(std::chrono::milliseconds deadline = 20s) {

@@ -125,13 +125,7 @@ class LoopbackCluster {
   void each(F&& f) {
     const std::vector<std::exception_ptr> errors =
         detail::on_threads(engines_.size(), [&](std::size_t r) { f(*engines_[r], r); });
-    const std::int64_t refuser = engines_[0]->refused_by();
-    if (refuser >= 0 && errors[static_cast<std::size_t>(refuser)]) {
-      std::rethrow_exception(errors[static_cast<std::size_t>(refuser)]);
-    }
-    for (const auto& e : errors) {
-      if (e) std::rethrow_exception(e);
-    }
+    detail::rethrow_first(errors, engines_[0]->refused_by());
   }
 
   template <class F>

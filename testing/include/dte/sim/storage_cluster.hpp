@@ -69,11 +69,7 @@ class StorageCluster {
  private:
   template <class F>
   void each(F&& f) {
-    const std::vector<std::exception_ptr> errors =
-        detail::on_threads(publishers_.size(), [&](std::size_t r) { f(*publishers_[r], r); });
-    for (const auto& e : errors) {
-      if (e) std::rethrow_exception(e);
-    }
+    run_ranks(publishers_.size(), [&](std::size_t r) { f(*publishers_[r], r); });
   }
 
   const layout::HfModel* hf_;
