@@ -211,6 +211,32 @@ def generation_differs(want, got, exact):
     return f"a logprob {worst:.3g} away" if worst > MP_LOGPROB_TOLERANCE else ""
 
 
+def reference_reason(full, deltas_since_full, why=None):
+    """Why the reference (reference.py) runs a fresh stock engine on a version's checkpoint, or
+    None where it does not. A fresh engine costs ~3 s at tp = 1 and ~14 s at tp = 2, and the
+    versions in the middle of a run of deltas repeat the path of the ones before them: every
+    version's parameters are still checked bit for bit (parameter_mismatches), while generation
+    is compared where something differs: every full publication, the first and second delta after
+    one (a copy refreshed on every other update shows there), the end of each run of deltas, the
+    deltas after refused publications, and whatever the scenario names (`why`)."""
+    if why:
+        return why
+    if full:
+        return "a full publication"
+    if deltas_since_full == 1:
+        return "the first delta after a full publication"
+    if deltas_since_full == 2:
+        return "the second delta in a row"
+    return None
+
+
+def reference_versions(record):
+    """The versions of a record the reference compares: those with a reason, and the last one (a
+    record without reasons, as server.py writes: every version)."""
+    versions = record["versions"]
+    return [v for v in versions[:-1] if v.get("reference", True)] + versions[-1:]
+
+
 def save_json(path, obj):
     with open(path, "w") as f:
         json.dump(obj, f)

@@ -1,8 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The reference for scenario.py and server.py: for every version a record holds, a fresh stock
-vLLM engine (no weight-transfer backend) made from that version's checkpoint of the trainer's
-BF16 weights (LLM(model=checkpoint)), whose greedy tokens and logprobs the dte-synced engine must
-equal exactly.
+"""The reference for scenario.py and server.py: for every version a record names a reason for
+(its "reference" field, common.reference_reason: full publications, the deltas after them, the end
+of each run of deltas, the deltas after refusals; a record without the field: every version), a
+fresh stock vLLM engine (no weight-transfer backend) made from that version's checkpoint of the
+trainer's BF16 weights (LLM(model=checkpoint)), whose greedy tokens and logprobs the dte-synced
+engine must equal exactly. The last version of each record is always compared
+(common.reference_versions).
 
     python reference.py RECORD.json [RECORD.json ...]
 
@@ -43,7 +46,7 @@ def main():
     exact = 0
     for path, record in zip(a.records, records):
         exact_rule = record.get("mode", "inproc") == "inproc"
-        for v in record["versions"]:
+        for v in common.reference_versions(record):
             llm = LLM(model=v["checkpoint"], tensor_parallel_size=tp, **common.ENGINE)
             got = common.generate(llm)
             del llm

@@ -98,9 +98,11 @@ def main():
     record = {"tp": a.tp, "every": a.every, "family": a.family, "mode": a.mode, "versions": []}
     record_last_message = [None]
     step = 0
+    deltas_since_full = [0]
 
-    def publish(msg, at):
-        """Delivers msg, the publication of the trainer state `at` (a copy of the trainer)."""
+    def publish(msg, at, full=False, why=None):
+        """Delivers msg, the publication of the trainer state `at` (a copy of the trainer), and
+        records why the reference compares this version (common.reference_reason), if it does."""
         t = time.perf_counter()
         reports = deliver(msg)
         record_last_message[0] = msg
@@ -113,9 +115,11 @@ def main():
         check(dte.vllm.version(llm) == v, f"version {v}: dte.vllm.version says {dte.vllm.version(llm)}")
         bad = common.parameter_mismatches(llm, at, a.tp)
         check(not bad, f"version {v}: parameters differ from the trainer's BF16 weights: {bad[:5]}")
+        deltas_since_full[0] = 0 if full else deltas_since_full[0] + 1
+        why = common.reference_reason(full, deltas_since_full[0], why)
         ckpt = common.write_checkpoint(at, os.path.join(a.out, f"v{v}"))
         record["versions"].append({"version": v, "checkpoint": ckpt, "generated": common.generate(llm),
-                                   "bytes": len(msg), "update_seconds": took})
+                                   "bytes": len(msg), "update_seconds": took, "reference": why})
         print(f"version {v}: {len(msg)} bytes, update {took * 1e3:.1f} ms, workers "
               f"{[(r['changed'], round(r['apply_seconds'] * 1e3, 2), round(r['repack_seconds'] * 1e3, 2)) for r in reports]}"
               " (changed, apply ms, repack ms)", flush=True)
@@ -129,9 +133,10 @@ def main():
             if msg is not None:
                 return msg, copy.deepcopy(trainer)
 
-    publish(pub.publish_full(), copy.deepcopy(trainer))
+    publish(pub.publish_full(), copy.deepcopy(trainer), full=True)
     while len(record["versions"]) < a.publications:
-        publish(*next_publication())
+        last = len(record["versions"]) == a.publications - 1
+        publish(*next_publication(), why="the end of a run of deltas" if last else None)
     if a.then_every:
         assert not a.storage, "--then-every delivers publications (a storage root has its own writer)"
         # The trainer restarts (same weights and optimizer state here): a publisher numbering
@@ -149,9 +154,10 @@ def main():
         pub = dte.TorchPublisher(trainer, opt, publish_every=a.then_every, config=start,
                                  continue_after=held)
         record["every"] = [a.every, a.then_every]
-        publish(pub.publish_full(), copy.deepcopy(trainer))
+        publish(pub.publish_full(), copy.deepcopy(trainer), full=True)
         while len(record["versions"]) < 2 * a.publications:
-            publish(*next_publication())
+            last = len(record["versions"]) == 2 * a.publications - 1
+            publish(*next_publication(), why="the end of a run of deltas" if last else None)
     if not a.storage:
         # a re-delivery of the version held: every worker says 'current', nothing moves
         again = dte.vllm.update(llm, publication=record_last_message[0])
@@ -202,11 +208,11 @@ def main():
         except Exception:
             pass
         same_generation(before_gen, "malformed info: generation changed")
-        publish(m1, at1)
-        publish(m2, at2)
+        publish(m1, at1, why="the first delta after refused publications")
+        publish(m2, at2, why="a delta after refused publications")
         refused("older version", m1, dte.ProtocolError, "is older than the version")
         # a full publication resynchronises whatever the engine holds; deltas follow on it
-        publish(pub.publish_full(), copy.deepcopy(trainer))
+        publish(pub.publish_full(), copy.deepcopy(trainer), full=True)
         publish(*next_publication())
         record["refusals"] = refusals
         for r in refusals:

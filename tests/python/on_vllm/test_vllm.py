@@ -9,8 +9,10 @@ root, at tp = 1 and tp = 2 (issues 28 and 45).
 Each scenario (scenario.py, its own process) checks after every publication that every worker's
 parameters equal the trainer's BF16 weights bit for bit, and the refusals (config drift, a
 restart without continue_after, ...). The reference (reference.py) then runs a fresh stock
-engine on each version's checkpoint: greedy tokens and logprobs must be equal, exactly for the
-in-process engines (reference.py says why multi-process ones get a tolerance). This is what
+engine on the checkpoint of each version where something differs (every full publication, the two
+deltas after it, the end of each run of deltas, the deltas after refusals:
+common.reference_reason): greedy tokens and logprobs must be equal, exactly for the in-process
+engines (reference.py says why multi-process ones get a tolerance). This is what
 catches a layer the engine computes from a stale copy of: the parameters match then, the
 generation does not. Each scenario runs in its own process: vLLM keeps process-wide state.
 server.py does the same over a server's HTTP routes."""
@@ -70,25 +72,24 @@ def test_engine_parameters_follow_every_publication(records, name):
 
 
 def _reference(paths):
-    import json
+    sys.path.insert(0, HERE)
+    import common
 
-    versions = 0
-    for p in paths:
-        with open(p) as f:
-            versions += len(json.load(f)["versions"])
+    versions = sum(len(common.reference_versions(common.load_json(p))) for p in paths)
     rc, tail = run("reference.py", *paths)
     assert rc == 0, tail
     assert f"{versions} versions compared, 0 differ" in tail, tail
 
 
 def test_generation_equals_a_fresh_stock_engine_on_each_checkpoint(records):
-    """Every family and tie setting at tp = 1: one fresh stock engine per version."""
+    """Every family and tie setting at tp = 1: one fresh stock engine per version compared."""
     _reference([records(n)[2] for n in SCENARIOS if "tp2" not in n])
 
 
 def test_tp2_generation_equals_a_fresh_stock_tp2_engine(records):
     """The tied tp = 2 engine, in-process (reference.py: a multi-process tp = 2 engine does not
-    repeat itself to the bit): every version against a fresh stock tp = 2 engine, exactly."""
+    repeat itself to the bit): each version compared against a fresh stock tp = 2 engine,
+    exactly."""
     _reference([records(n)[2] for n in SCENARIOS if "tp2" in n])
 
 
