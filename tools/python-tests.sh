@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# The Python package's tests (docs/python.md): `pip install .` into a venv made with
-# --system-site-packages over a python3 that has torch (Debian's python3-torch), then pytest.
-# Then, in the venv with PyPI's torch, vLLM and SGLang (tools/install-deps.sh vllm), the sharded
-# trainers' tests (FSDP2 needs torch >= 2.6), the vLLM tests and the SGLang tests. tools/test.sh
-# runs it after the C++ suite.
+# The Python package's tests (docs/python.md): the package built once as a wheel (`pip wheel .`)
+# and installed into a venv made with --system-site-packages over a python3 that has torch
+# (Debian's python3-torch), then pytest. Then, with the same wheel in the venv with PyPI's torch,
+# vLLM and SGLang (tools/install-deps.sh vllm), the sharded trainers' tests (FSDP2 needs
+# torch >= 2.6), the vLLM tests and the SGLang tests. tools/test.sh runs it after the C++ suite.
 #   tools/python-tests.sh [pytest arguments]
 # Environment: DTE_PYTHON_VENV (default build/pyenv), DTE_PYTHON (the interpreter with torch).
 set -euo pipefail
@@ -37,7 +37,14 @@ fi
 if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
   export PATH="/usr/local/cuda/bin:$PATH"
 fi
-phase "pip install dte" "$venv/bin/python" -m pip install -q --no-build-isolation "$root"
+# One wheel, built once and installed into both venvs (both CPython 3.11; the extension links
+# neither torch nor a shared CUDA runtime, so the vLLM venv's PyPI torch takes it as it is).
+wheels="$root/build/python-wheel"
+rm -rf "$wheels"
+phase "build the dte wheel" "$venv/bin/python" -m pip wheel -q --no-build-isolation --no-deps \
+  -w "$wheels" "$root"
+wheel="$(ls "$wheels"/*.whl)"
+"$venv/bin/python" -m pip install -q --no-deps --force-reinstall "$wheel"
 cd "$root/tests/python"
 phase pytest "$venv/bin/python" -m pytest -q --ignore=on_vllm --ignore=sharded --ignore=on_sglang "$@"
 
@@ -49,11 +56,7 @@ if [ "${DTE_SKIP_VLLM:-0}" != "1" ] || [ "${DTE_SKIP_SHARDED:-0}" != "1" ] ||
   [ "${DTE_SKIP_SGLANG:-0}" != "1" ]; then
   phase "vllm venv" "$root/tools/install-deps.sh" vllm
   vllm_venv="${DTE_VLLM_VENV:-$root/build/vllm-venv}"
-  # (without the CUDA publisher: the tests here are the CPU paths, and the build above compiled
-  # it; a build directory of its own, so that neither build undoes the other's)
-  phase "pip install dte (vllm venv)" "$vllm_venv/bin/python" -m pip install -q --no-build-isolation \
-    --config-settings=cmake.define.DTE_PYTHON_CUDA=OFF \
-    --config-settings=build-dir="$root/build/python-vllm" "$root"
+  "$vllm_venv/bin/python" -m pip install -q --no-deps --force-reinstall "$wheel"
   if [ "${DTE_SKIP_SHARDED:-0}" != "1" ]; then
     phase sharded "$vllm_venv/bin/python" -m pytest -q "$root/tests/python/sharded"
   fi
