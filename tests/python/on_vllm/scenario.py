@@ -133,10 +133,14 @@ def main():
             if msg is not None:
                 return msg, copy.deepcopy(trainer)
 
+    def publish_deltas(until):
+        """Deltas until the record holds `until` versions; the last one ends a run of deltas."""
+        while len(record["versions"]) < until:
+            last = len(record["versions"]) == until - 1
+            publish(*next_publication(), why="the end of a run of deltas" if last else None)
+
     publish(pub.publish_full(), copy.deepcopy(trainer), full=True)
-    while len(record["versions"]) < a.publications:
-        last = len(record["versions"]) == a.publications - 1
-        publish(*next_publication(), why="the end of a run of deltas" if last else None)
+    publish_deltas(a.publications)
     if a.then_every:
         assert not a.storage, "--then-every delivers publications (a storage root has its own writer)"
         # The trainer restarts (same weights and optimizer state here): a publisher numbering
@@ -155,9 +159,7 @@ def main():
                                  continue_after=held)
         record["every"] = [a.every, a.then_every]
         publish(pub.publish_full(), copy.deepcopy(trainer), full=True)
-        while len(record["versions"]) < 2 * a.publications:
-            last = len(record["versions"]) == 2 * a.publications - 1
-            publish(*next_publication(), why="the end of a run of deltas" if last else None)
+        publish_deltas(2 * a.publications)
     if not a.storage:
         # a re-delivery of the version held: every worker says 'current', nothing moves
         again = dte.vllm.update(llm, publication=record_last_message[0])
