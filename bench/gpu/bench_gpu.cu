@@ -161,7 +161,7 @@ Json flat_shard(std::int64_t n, int repeat, double copy_bps, double peak_bps) {
   // The receiver holds the shard as one tensor: one source run over it.
   const std::vector<dte::pipeline::SourceRun> source = {
       {0, 0, static_cast<std::uint32_t>(std::min<std::int64_t>(n, 0xFFFFFFFFll)), 0, 0}};
-  dev::DeviceReceiver rx;
+  dev::DeviceReceiver<dte::exec::Cuda> rx;
   rx.tensors =
       DeviceArray<std::uint16_t*>::copy_of(e, std::span<std::uint16_t* const>(&pointer, 1));
   rx.live_end = DeviceArray<std::uint64_t>::copy_of(e, std::span<const std::uint64_t>(&live, 1));
@@ -266,7 +266,8 @@ Json end_to_end(int deltas) {
   sim::SyntheticTrainer trainer(hf, train, {.lr = 1e-5});
   const dte::exec::Stream stream;
   const exec::Cuda e(stream);
-  dev::SenderPipeline<AdamWInverse, BF16Detect> sender(hf, train, recv, 0, false, e);
+  dev::SenderPipeline<AdamWInverse, BF16Detect, layout::TransferPlan, exec::Cuda> sender(
+      hf, train, recv, 0, false, e);
   sim::DeviceAdamWAccess access(trainer, 0, e);
   std::vector<DeviceArray<std::uint16_t>> tensors;
   std::vector<std::uint16_t*> pointers;
@@ -277,8 +278,8 @@ Json end_to_end(int deltas) {
     pointers.push_back(tensors.back().data());
     live.push_back(static_cast<std::uint64_t>(recv.live_end(0, k)));
   }
-  dev::DeviceReceiver rx(e, pointers, live, pipeline::ReceiverSourceTable(hf, recv, 0),
-                         static_cast<std::size_t>(hf.size()));
+  dev::DeviceReceiver<exec::Cuda> rx(e, pointers, live, pipeline::ReceiverSourceTable(hf, recv, 0),
+                                     static_cast<std::size_t>(hf.size()));
   std::vector<double> seconds;
   bool digest_equal = true;
   std::uint64_t changed = 0;

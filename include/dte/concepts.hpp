@@ -138,7 +138,7 @@ concept segmented_access = requires(const A& a, std::int64_t rank, layout::Buffe
 };
 
 // Carries the pipeline's data-parallel stages (exec/host.hpp; exec/cuda.cuh, whose device
-// stages are pipeline/device.cuh and whose sender is engine/device_sender.cuh):
+// stages are pipeline/device_stages.hpp and whose sender is engine/device_sender.hpp):
 //   for_each(n, f(i, worker)), for_each_ordered(n, par(i, worker), ser(i, worker)) (ser in
 //   increasing i), exclusive_scan(in, out) -> total. Primitives only: the stages themselves
 //   (pipeline/) choose their fastest form of the shared rules.
@@ -160,6 +160,25 @@ concept executor = requires {
   e.for_each(n, detail::item_callable{});
   e.for_each_ordered(n, detail::item_callable{}, detail::item_callable{});
   { e.exclusive_scan(in, out) } -> std::same_as<std::uint64_t>;
+};
+
+namespace exec {
+// What the device stages (pipeline/device_stages.hpp) ask of the executor they run on: its
+// memory (arrays, pinned host buffers, fills and copies), its launches of the kernel bodies
+// (pipeline/device_kernels.hpp) and its device-wide algorithms (select, scan, sort). Each device
+// executor specialises it: exec::Cuda in exec/cuda_device_ops.cuh, the host twin that runs the
+// same stages on the CPU in dte/sim/simt_host.hpp (ctest -L device-on-host).
+template <class E>
+struct device_ops;
+}  // namespace exec
+
+// An executor the device stages run on: an executor with device_ops, a scratch limit and a
+// synchronize() that waits for what it enqueued.
+template <class E>
+concept device_executor = executor<E> && requires(const E& e) {
+  typename exec::device_ops<E>::pinned;
+  { e.scratch_limit() } -> std::convertible_to<std::uint64_t>;
+  e.synchronize();
 };
 
 // A per-rank endpoint of a world of S sender (trainer) ranks and R receiver ranks: ranks

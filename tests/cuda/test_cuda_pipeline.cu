@@ -26,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "../device_on_host/recording_transport.hpp"
 #include "../device_on_host/stage_reference.hpp"
 #include "dte/detect/detect.hpp"
 #include "dte/engine/device_receiver.cuh"
@@ -58,37 +59,13 @@ using DeviceTrainer = dte::sim::DeviceAdamWAccess;
 
 using dte_test::Case;
 using dte_test::check_same;
+using dte_test::device_scan;
 using dte_test::Entry;
 using dte_test::host_stages;
 using dte_test::HostSender;
 using dte_test::kCases;
 using dte_test::mismatches;
 using dte_test::StageResult;
-
-// SenderPipeline::scan, its batches of routed entries collected per receiver in arrival order.
-template <class Pipeline, class Access>
-StageResult device_scan(Pipeline& p, const Access& a, ScanMode mode, std::size_t tensors,
-                        std::size_t receivers) {
-  StageResult r;
-  r.digest.assign(tensors, 0);
-  r.to.resize(receivers);
-  const auto found = p.scan(a, mode, [&](BufferKind, const dev::BucketBatch& k) {
-    for (std::size_t d = 0; d < receivers; ++d) {
-      for (std::uint64_t j = 0; j < k.count[d]; ++j) {
-        const std::uint64_t at = k.offset[d] + j;
-        r.to[d].emplace_back(k.tensor[at], k.index[at], k.bits[at]);
-      }
-    }
-  });
-  for (const dev::DetectResult& o : found) {
-    r.flagged += o.flagged;
-    r.guard += o.guard;
-    r.scanned += o.scanned;
-    for (std::size_t t = 0; t < o.digest.size(); ++t)
-      r.digest[t] += o.digest[t];
-  }
-  return r;
-}
 
 using Stream = dte::exec::Stream;
 
@@ -126,8 +103,9 @@ TEST_CASE("device stages == host stages, every mode, every rank, pooled and plai
         for (std::int64_t rank = 0; rank < train.world(); ++rank) {
           INFO("trainer rank " << rank);
           HostSender host(hf, train, &recv, rank, true, dte::exec::Host(1));
-          dev::SenderPipeline<dte::AdamWInverse, dte::BF16Detect> device(hf, train, recv, rank,
-                                                                         true, e);
+          dev::SenderPipeline<dte::AdamWInverse, dte::BF16Detect, dte::layout::TransferPlan,
+                              dte::exec::Cuda>
+              device(hf, train, recv, rank, true, e);
           DeviceTrainer dt(trainer, rank, e);
           auto check_scratch = [&] {
             for (const BufferKind b : kBuffers) {
@@ -180,7 +158,9 @@ TEST_CASE("a refused element is refused on the device too, naming the host's seg
 
   Stream stream;
   const dte::exec::Cuda e(stream);
-  dev::SenderPipeline<dte::AdamWInverse, dte::BF16Detect> device(hf, train, recv, rank, false, e);
+  dev::SenderPipeline<dte::AdamWInverse, dte::BF16Detect, dte::layout::TransferPlan,
+                      dte::exec::Cuda>
+      device(hf, train, recv, rank, false, e);
   DeviceTrainer dt(trainer, rank, e);
   try {
     (void)device.scan(dt, ScanMode::detect, [](BufferKind, const dev::BucketBatch&) {});
@@ -315,7 +295,9 @@ TEST_CASE("device apply: a full publication then deltas leave every receiver den
     const auto receivers = static_cast<std::size_t>(recv.topology().ranks());
     Stream stream;
     const dte::exec::Cuda e(stream);
-    std::vector<dev::SenderPipeline<dte::AdamWInverse, dte::BF16Detect>> senders;
+    std::vector<dev::SenderPipeline<dte::AdamWInverse, dte::BF16Detect, dte::layout::TransferPlan,
+                                    dte::exec::Cuda>>
+        senders;
     std::vector<DeviceTrainer> access;
     senders.reserve(static_cast<std::size_t>(train.world()));
     access.reserve(static_cast<std::size_t>(train.world()));
@@ -324,7 +306,7 @@ TEST_CASE("device apply: a full publication then deltas leave every receiver den
       access.emplace_back(trainer, r, e);
     }
     std::vector<DeviceReceiverTensors> held;
-    std::vector<dev::DeviceReceiver> rx;
+    std::vector<dev::DeviceReceiver<dte::exec::Cuda>> rx;
     for (std::size_t d = 0; d < receivers; ++d) {
       held.emplace_back(e, recv, static_cast<std::int64_t>(d));
       rx.emplace_back(e, held.back().pointers, held.back().live,
@@ -377,81 +359,6 @@ TEST_CASE("device apply: a full publication then deltas leave every receiver den
   }
 }
 
-namespace {
-
-// A transport that forwards every member to T and records, per exchange, the bytes this rank
-// sends to each receiver (each payload's spans joined): the engines' messages themselves, as
-// they leave the sender, before any transport (or fault) touches them. Receivers record nothing.
-template <class T>
-class Recording {
- public:
-  using transport_tag = void;
-  using inbox_type = typename T::inbox_type;
-  // [exchange][receiver]: what this rank sent.
-  using Log = std::vector<std::vector<dte::Bytes>>;
-
-  Recording(T& inner, Log& log) : inner_(&inner), log_(&log) {}
-
-  [[nodiscard]] int senders() const { return inner_->senders(); }
-  [[nodiscard]] int receivers() const { return inner_->receivers(); }
-  [[nodiscard]] int rank() const { return inner_->rank(); }
-  [[nodiscard]] bool is_sender() const { return inner_->is_sender(); }
-  [[nodiscard]] bool is_receiver() const { return inner_->is_receiver(); }
-
-  inbox_type exchange(const std::vector<dte::Payload>& out) {
-    if (is_sender()) {
-      std::vector<dte::Bytes> sent;
-      sent.reserve(out.size());
-      for (const dte::Payload& p : out) {
-        dte::Bytes& b = sent.emplace_back();
-        b.reserve(dte::payload_size(p));
-        for (const std::span<const std::byte> part : p)
-          b.insert(b.end(), part.begin(), part.end());
-      }
-      log_->push_back(std::move(sent));
-    }
-    return inner_->exchange(out);
-  }
-  void sum(std::span<std::uint64_t> v, const char* phase) { inner_->sum(v, phase); }
-  void checkpoint(const char* phase) { inner_->checkpoint(phase); }
-  // Only where T has it (the engine looks for it; LoopbackTwoRound does not).
-  template <class F>
-  requires requires(T& t, F f) { t.between_rounds(std::move(f)); }
-  void between_rounds(F f) { inner_->between_rounds(std::move(f)); }
-
- private:
-  T* inner_;
-  Log* log_;
-};
-
-static_assert(dte::transport<Recording<dte::LoopbackTwoRound>>);
-
-// For a failed byte comparison: the message's size and header, what it holds, and where two
-// messages first differ.
-std::string describe(const dte::Bytes& m) {
-  std::string s = std::to_string(m.size()) + " bytes";
-  try {
-    const dte::wire::MessageView v(m, "describe");
-    s += ", kind " + std::to_string(static_cast<int>(v.kind())) + ", version " +
-         std::to_string(v.version()) + ", base " + std::to_string(v.base()) + ", " +
-         std::to_string(v.group_count()) + " groups, " + std::to_string(v.entry_count()) +
-         " indexed entries, " + std::to_string(v.run_count()) + " dense runs of " +
-         std::to_string(v.run_elements()) + " values";
-  } catch (const std::exception& e) {
-    s += std::string(" (not a valid message: ") + e.what() + ")";
-  }
-  return s;
-}
-
-std::string first_difference(const dte::Bytes& a, const dte::Bytes& b) {
-  std::size_t at = 0;
-  while (at < a.size() && at < b.size() && a[at] == b[at])
-    ++at;
-  return at == a.size() && at == b.size() ? "none" : "byte " + std::to_string(at);
-}
-
-}  // namespace
-
 TEST_CASE("DeltaEngine on exec::Cuda (device state, device receivers) == the host engine") {
   // The same trainer, published by a host engine and by a device engine over two loopback
   // worlds; the device receivers must stay dense-equal and verified, both engines must report
@@ -475,7 +382,7 @@ TEST_CASE("DeltaEngine on exec::Cuda (device state, device receivers) == the hos
         device_reports(static_cast<std::size_t>(world));
     std::vector<std::vector<std::vector<std::uint16_t>>> device_final(
         static_cast<std::size_t>(world));
-    using Recorded = Recording<LoopbackTwoRound>;
+    using Recorded = dte_test::Recording<LoopbackTwoRound>;
     std::vector<Recorded::Log> host_sent(static_cast<std::size_t>(world)),
         device_sent(static_cast<std::size_t>(world));
     std::vector<std::string> failures(static_cast<std::size_t>(2 * world));
@@ -606,9 +513,9 @@ TEST_CASE("DeltaEngine on exec::Cuda (device state, device receivers) == the hos
         REQUIRE(d[x].size() == h[x].size());
         for (std::size_t r = 0; r < h[x].size(); ++r) {
           INFO("receiver " << r);
-          INFO("host: " << describe(h[x][r]));
-          INFO("device: " << describe(d[x][r]));
-          INFO("first difference: " << first_difference(h[x][r], d[x][r]));
+          INFO("host: " << dte_test::describe(h[x][r]));
+          INFO("device: " << dte_test::describe(d[x][r]));
+          INFO("first difference: " << dte_test::first_difference(h[x][r], d[x][r]));
           CHECK(d[x][r] == h[x][r]);
         }
       }

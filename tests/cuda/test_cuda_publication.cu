@@ -1,302 +1,48 @@
 // SPDX-License-Identifier: Apache-2.0
 // publication::Publisher on exec::Cuda (publication/device_sender.cuh) against the host
-// publisher, byte for byte: the same trainer state, on the host and copied to the device, must
-// give the same messages (one writer) and the same parts (several writers, each piece read where
-// it lives), in every mode (full, K = 1 with diff codes and with values, K = 3 through the dirty
-// mask); a refused element throws on both and the next publication is full on both; the device
-// batches of changed elements are the same whatever their size; and receivers fed the device's
-// messages hold the BF16 rounding of the trainer's weights. Runs only on a GPU (exit 77
-// otherwise).
+// publisher, byte for byte: the cases of tests/publication/device_publisher_cases.hpp (the host
+// twin runs the same in CI) with the trainer's state copied to GPU memory. Runs only on a GPU
+// (exit 77 otherwise).
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
 #include <cuda_runtime.h>
 
-#include <cmath>
-#include <cstdint>
+#include <cstddef>
 #include <cstdio>
-#include <memory>
-#include <optional>
-#include <span>
-#include <tuple>
-#include <utility>
-#include <vector>
 
-#include "dte/detect/detect.hpp"
+#include "device_publisher_cases.hpp"
 #include "dte/exec/cuda.cuh"
-#include "dte/layout/identity.hpp"
-#include "dte/layout/model.hpp"
-#include "dte/optim/adam.hpp"
 #include "dte/pipeline/device.cuh"
 #include "dte/publication/device_sender.cuh"
-#include "dte/publication/message.hpp"
-#include "dte/publication/publisher.hpp"
-#include "dte/publication/receiver.hpp"
-#include "flat_adamw.hpp"
-#include "hf_tensors.hpp"
-#include "local_pieces.hpp"
 
 namespace {
 
 constexpr int kSkipCode = 77;
 
-using namespace dte;
-using exec::DeviceArray;
-using publication::Bytes;
-using testing::FlatAdamW;
-using testing::PieceAccess;
-using testing::Split;
+namespace cases = dte_test::device_publisher;
 
-using HostPub = publication::Publisher<AdamWInverse, BF16Detect>;
-using DevicePub =
-    publication::Publisher<AdamWInverse, BF16Detect, layout::IdentityPlan, exec::Cuda>;
-using HostPart = publication::Publisher<AdamWInverse, BF16Detect, layout::LocalShardPlan>;
-using DevicePart =
-    publication::Publisher<AdamWInverse, BF16Detect, layout::LocalShardPlan, exec::Cuda>;
-
-// The trainer's buffers on the device, copied after every step.
-struct DeviceCopy {
-  exec::Cuda e;
-  DeviceArray<float> theta, m, v;
-  explicit DeviceCopy(const FlatAdamW& tr)
-      : theta(e, tr.theta.size()), m(e, tr.m.size()), v(e, tr.v.size()) {
-    upload(tr);
-  }
-  void upload(const FlatAdamW& tr) {
-    DTE_CUDA_TRY(cudaMemcpy(theta.data(), tr.theta.data(), theta.bytes(), cudaMemcpyHostToDevice));
-    DTE_CUDA_TRY(cudaMemcpy(m.data(), tr.m.data(), m.bytes(), cudaMemcpyHostToDevice));
-    DTE_CUDA_TRY(cudaMemcpy(v.data(), tr.v.data(), v.bytes(), cudaMemcpyHostToDevice));
-  }
-  // FlatAdamW::flat() with its spans pointing here.
-  [[nodiscard]] publication::FlatTrainer<AdamWInverse> flat(const FlatAdamW& tr) const {
-    publication::FlatTrainer<AdamWInverse> f = tr.flat();
-    f.theta = {theta.data(), theta.size()};
-    for (std::int64_t t = 0; t < tr.hf.size(); ++t) {
-      const auto& x = tr.hf[t];
-      const auto at = [&](const DeviceArray<float>& a) {
-        return std::span<const float>(a.data() + x.base, static_cast<std::size_t>(x.numel()));
-      };
-      f.state[static_cast<std::size_t>(t)] = {at(m), at(v)};
-    }
-    return f;
-  }
-  [[nodiscard]] PieceAccess pieces(const FlatAdamW& tr) const {
-    return PieceAccess(tr, theta.data(), m.data(), v.data());
+// The trainer's state in GPU memory.
+struct Cuda {
+  using E = dte::exec::Cuda;
+  static E executor() { return E{}; }
+  static void to_device(const E&, void* device, const void* host, std::size_t bytes) {
+    DTE_CUDA_TRY(cudaMemcpy(device, host, bytes, cudaMemcpyHostToDevice));
   }
 };
-
-// Elements of the receiver's tensors that are not the BF16 rounding of the trainer's weight.
-std::int64_t mismatches(const testing::HfTensors& got, const FlatAdamW& tr) {
-  std::int64_t bad = 0;
-  for (std::int64_t t = 0; t < tr.hf.size(); ++t) {
-    for (std::int64_t i = 0; i < tr.hf[t].numel(); ++i) {
-      bad += got.data[static_cast<std::size_t>(t)][static_cast<std::size_t>(i)] !=
-             BF16Detect::store(tr.theta[static_cast<std::size_t>(tr.hf[t].base + i)]);
-    }
-  }
-  return bad;
-}
-
-void one_writer(std::int64_t K, storage::Encoding enc) {
-  CAPTURE(K);
-  CAPTURE(static_cast<int>(enc));
-  const layout::ModelSpec spec = layout::model_preset("tiny-qwen3");
-  FlatAdamW tr(spec);
-  DeviceCopy d(tr);
-  const publication::PublisherConfig cfg{.publish_every = K, .encoding = enc};
-  HostPub host(spec, cfg);
-  DevicePub device(spec, cfg);
-  testing::HfTensors got(host.model());
-  publication::HfReceiver rx(spec, got.views);
-  const auto same = [&](const std::optional<Bytes>& a, const std::optional<Bytes>& b) {
-    REQUIRE(a.has_value() == b.has_value());
-    if (!a) return;
-    CHECK(*a == *b);
-    CHECK(host.digest() == device.digest());
-    CHECK(host.last().changed == device.last().changed);
-    CHECK(host.last().guard == device.last().guard);
-    REQUIRE(rx.apply(*b).committed());
-    CHECK(mismatches(got, tr) == 0);
-    CHECK(rx.verify().empty());
-  };
-  // One optimizer step, then each publisher's step() (full: publish(.., true)) on its copy.
-  const auto both = [&](bool full) {
-    if (!full) {
-      tr.step();
-      d.upload(tr);
-    }
-    const auto hf = tr.flat();
-    const auto df = d.flat(tr);
-    const publication::FlatAccess<AdamWInverse> ha{&hf}, da{&df};
-    return full ? std::pair{std::optional<Bytes>(host.publish(ha, true)),
-                            std::optional<Bytes>(device.publish(da, true))}
-                : std::pair{host.step(ha), device.step(da)};
-  };
-  {
-    const auto [a, b] = both(true);
-    same(a, b);
-  }
-  int published = 0;
-  for (int s = 0; s < 12; ++s) {
-    tr.lr = s % 3 == 0 ? 2e-4 : 2e-6;
-    const auto [a, b] = both(false);
-    published += a.has_value();
-    same(a, b);
-    if (s == 6) {  // a full publication asked for between steps
-      const auto [fa, fb] = both(true);
-      same(fa, fb);
-    }
-  }
-  CHECK(published == 12 / K);
-  CHECK(host.last().changed > 0);
-
-  // A refused element (a negative second moment): both throw, publish nothing, and the next
-  // publication is full on both.
-  tr.step();
-  const auto k = static_cast<std::size_t>(tr.hf[1].base + 3);
-  const float saved = tr.v[k];
-  tr.v[k] = -1.0f;
-  d.upload(tr);
-  for (std::int64_t s = 0; s < K; ++s) {
-    const auto hf = tr.flat();
-    const auto df = d.flat(tr);
-    bool host_threw = false, device_threw = false;
-    try {
-      (void)host.step(publication::FlatAccess<AdamWInverse>{&hf});
-    } catch (const dte::error&) {
-      host_threw = true;
-    }
-    try {
-      (void)device.step(publication::FlatAccess<AdamWInverse>{&df});
-    } catch (const dte::invalid_argument&) {
-      device_threw = true;
-    }
-    CHECK(host_threw == device_threw);
-    if (host_threw) break;
-  }
-  CHECK(host.version() == device.version());
-  tr.v[k] = saved;
-  bool full = false;
-  for (std::int64_t s = 0; s < K && !full; ++s) {
-    const auto [a, b] = both(false);
-    same(a, b);
-    if (a) {
-      CHECK(host.last().full());
-      CHECK(device.last().full());
-      full = true;
-    }
-  }
-  CHECK(full);
-}
-
-// W writers over `split`: every rank's part from the device equals the host's, byte for byte.
-void writers(Split split, std::int64_t W, std::int64_t K, storage::Encoding enc) {
-  CAPTURE(static_cast<int>(split));
-  CAPTURE(W);
-  CAPTURE(K);
-  const layout::ModelSpec spec = layout::model_preset("tiny-qwen3");
-  FlatAdamW tr(spec);
-  DeviceCopy d(tr);
-  const publication::PublisherConfig cfg{.publish_every = K, .encoding = enc};
-  std::vector<std::unique_ptr<HostPart>> host;
-  std::vector<std::unique_ptr<DevicePart>> device;
-  std::vector<std::vector<layout::LocalPiece>> all;
-  for (std::int64_t w = 0; w < W; ++w)
-    all.push_back(testing::pieces_of(tr.hf, split, w, W));
-  layout::check_writers(tr.hf, all);
-  for (std::int64_t w = 0; w < W; ++w) {
-    const publication::Writer writer{static_cast<std::uint32_t>(w), static_cast<std::uint32_t>(W)};
-    host.push_back(std::make_unique<HostPart>(spec, all[static_cast<std::size_t>(w)], writer, cfg));
-    device.push_back(
-        std::make_unique<DevicePart>(spec, all[static_cast<std::size_t>(w)], writer, cfg));
-  }
-  testing::HfTensors got(tr.hf);
-  publication::HfReceiver rx(spec, got.views);
-  int published = 0;
-  for (int s = 0; s < 9; ++s) {
-    if (s > 0) {
-      tr.lr = s % 3 == 0 ? 2e-4 : 2e-6;
-      tr.step();
-      d.upload(tr);
-    }
-    std::vector<Bytes> parts;
-    for (std::int64_t w = 0; w < W; ++w) {
-      const auto x = static_cast<std::size_t>(w);
-      const std::optional<Bytes> a =
-          s == 0 ? std::optional<Bytes>(host[x]->publish(PieceAccess(tr), true))
-                 : host[x]->step(PieceAccess(tr));
-      const std::optional<Bytes> b =
-          s == 0 ? std::optional<Bytes>(device[x]->publish(d.pieces(tr), true))
-                 : device[x]->step(d.pieces(tr));
-      REQUIRE(a.has_value() == b.has_value());
-      if (!a) continue;
-      CHECK(*a == *b);
-      parts.push_back(*b);
-    }
-    if (parts.empty()) continue;
-    std::vector<std::span<const std::byte>> views(parts.begin(), parts.end());
-    REQUIRE(rx.apply(publication::merge(spec, views)).committed());
-    for (std::int64_t w = 0; w < W; ++w) {
-      host[static_cast<std::size_t>(w)]->commit();
-      device[static_cast<std::size_t>(w)]->commit();
-    }
-    CHECK(mismatches(got, tr) == 0);
-    ++published;
-  }
-  CHECK(published == 1 + 8 / K);
-}
 
 }  // namespace
 
 TEST_CASE("device publisher: one writer's messages are the host's, byte for byte") {
-  one_writer(1, storage::Encoding::diff);
-  one_writer(1, storage::Encoding::value);
-  one_writer(3, storage::Encoding::diff);
+  cases::one_writer_cases<Cuda>();
 }
 
 TEST_CASE("device publisher: every writer's part is the host's, pieces read where they live") {
-  for (Split split : {Split::rows, Split::flat, Split::columns, Split::owner}) {
-    writers(split, 3, 1, storage::Encoding::diff);
-    writers(split, 2, 2, storage::Encoding::value);
-  }
-  writers(Split::rows, 7, 1, storage::Encoding::diff);  // empty pieces on some ranks
+  cases::writer_cases<Cuda>();
 }
 
 TEST_CASE("device publisher: the batches of changed elements do not depend on their size") {
-  namespace dev = pipeline::device;
-  const layout::ModelSpec spec = layout::model_preset("tiny-qwen3");
-  FlatAdamW tr(spec);
-  tr.step();
-  DeviceCopy d(tr);
-  const std::vector<layout::LocalPiece> pieces = testing::pieces_of(tr.hf, Split::flat, 1, 2);
-  dev::SenderPipeline<AdamWInverse, BF16Detect, layout::LocalShardPlan> p(
-      tr.hf, layout::LocalShardPlan(tr.hf, pieces, 1), 1, false, d.e);
-  using Element = std::tuple<std::int64_t, std::uint16_t, std::uint16_t, bool, bool, std::uint16_t,
-                             std::uint16_t>;
-  const auto collect = [&](std::int64_t batch) {
-    const auto found = p.detect(d.pieces(tr), pipeline::ScanMode::detect);
-    std::vector<Element> out;
-    p.gather(layout::BufferKind::dense, found[0].flagged, true, batch,
-             [&](std::int64_t begin, std::span<const std::uint32_t> offset,
-                 std::span<const std::uint16_t> bits, std::span<const PreviousBits> previous) {
-               REQUIRE(previous.size() == offset.size());
-               for (std::size_t k = 0; k < offset.size(); ++k) {
-                 CHECK(offset[k] < batch);
-                 const PreviousBits& q = previous[k];
-                 out.emplace_back(begin + offset[k], bits[k], q.bits, q.certain, q.bounded, q.lo,
-                                  q.hi);
-               }
-             });
-    CHECK(out.size() == found[0].flagged);
-    return out;
-  };
-  const std::vector<Element> whole = collect(std::int64_t{1} << 22);
-  REQUIRE(whole.size() > 100);
-  for (std::size_t k = 1; k < whole.size(); ++k)
-    CHECK(std::get<0>(whole[k - 1]) < std::get<0>(whole[k]));
-  CHECK(collect(97) == whole);
-  CHECK(collect(64) == whole);
-  CHECK(collect(1) == whole);
+  cases::batches<Cuda>();
 }
 
 int main(int argc, char** argv) {

@@ -115,8 +115,8 @@ void engine_over_nccl() {
       // The composition as the card spells it: exec::Cuda is NcclTwoRound's default executor.
       using Engine = DeltaEngine<AdamWInverse, BF16Detect, MegatronToHF, NcclTwoRound>;
       static_assert(
-          std::is_same_v<Engine::Sender,
-                         DeviceSenderRank<AdamWInverse, BF16Detect, layout::TransferPlan>>);
+          std::is_same_v<Engine::Sender, DeviceSenderRank<AdamWInverse, BF16Detect,
+                                                          layout::TransferPlan, exec::Cuda>>);
       std::vector<exec::DeviceArray<std::uint16_t>> tensors;
       std::shared_ptr<TensorSink> sink;
       const exec::Cuda e;

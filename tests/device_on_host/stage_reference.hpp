@@ -18,6 +18,7 @@
 #include "dte/exec/host.hpp"
 #include "dte/layout/serving.hpp"
 #include "dte/optim/adam.hpp"
+#include "dte/pipeline/device_stages.hpp"
 #include "dte/pipeline/frame.hpp"
 #include "dte/sim/access.hpp"
 
@@ -78,6 +79,32 @@ inline StageResult host_stages(HostSender& s, const dte::sim::AdamWAccess& a, Sc
         }
       }
     }
+  }
+  return r;
+}
+
+// SenderPipeline::scan (pipeline/device_stages.hpp, on any device executor), its batches of
+// routed entries collected per receiver in arrival order.
+template <class Pipeline, class Access>
+StageResult device_scan(Pipeline& p, const Access& a, ScanMode mode, std::size_t tensors,
+                        std::size_t receivers) {
+  StageResult r;
+  r.digest.assign(tensors, 0);
+  r.to.resize(receivers);
+  const auto found = p.scan(a, mode, [&](BufferKind, const dte::pipeline::device::BucketBatch& k) {
+    for (std::size_t d = 0; d < receivers; ++d) {
+      for (std::uint64_t j = 0; j < k.count[d]; ++j) {
+        const std::uint64_t at = k.offset[d] + j;
+        r.to[d].emplace_back(k.tensor[at], k.index[at], k.bits[at]);
+      }
+    }
+  });
+  for (const dte::pipeline::device::DetectResult& o : found) {
+    r.flagged += o.flagged;
+    r.guard += o.guard;
+    r.scanned += o.scanned;
+    for (std::size_t t = 0; t < o.digest.size(); ++t)
+      r.digest[t] += o.digest[t];
   }
   return r;
 }

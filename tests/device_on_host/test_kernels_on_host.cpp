@@ -1,15 +1,20 @@
 // SPDX-License-Identifier: Apache-2.0
-// The device pipeline's kernel bodies (pipeline/device_kernels.hpp, exec/element_kernels.hpp) on
-// the host, through simt::host, against the host frame (ctest -L device-on-host; no GPU, no CUDA
-// runtime). The same bodies are what exec/simt.cuh launches on a GPU, so a body that gives
-// other send sets, digests, counts or entries than the host frame fails here, in CI:
+// The device pipeline (pipeline/device_stages.hpp: SenderPipeline, DeviceReceiver, apply_entries)
+// on the host twin (dte/sim/simt_host.hpp), against the host frame (ctest -L device-on-host; no
+// GPU, no CUDA runtime). The stages, their batches, counts, copies and checks are the code a GPU
+// runs, and the kernel bodies (pipeline/device_kernels.hpp, exec/element_kernels.hpp) are what
+// exec/simt.cuh launches there; only the launches and CUB's algorithms are the host twin's. So a
+// stage or a body that gives other send sets, digests, counts or entries than the host frame
+// fails here, in CI:
 //   - stages 1-4 (detect, compact, route, bucket) over the golden cases of test_cuda_pipeline
 //     (every trainer rank, every mode: a full publication, K = 1 deltas, a K = 2 window), entry
-//     for entry and in order per receiver;
+//     for entry and in order per receiver, in one batch and in many; the scratch the routing
+//     allocates stays within the executor's limit;
 //   - the receiver's check and write: after a full publication and deltas every live receiver
 //     element equals the BF16 rounding of the trainer's weight, the digest equals the tensors';
 //     a bad entry is refused before anything is written;
-//   - a publication's batches (gather changed) equal the compacted offsets, whatever the batch;
+//   - a publication's batches (gather) do not depend on their size, and carry the element's bits
+//     and the previous bits its own segment's kernel gives;
 //   - classify and audit equal the host's per-element rules and dte::audit_reconstruction.
 // The grids are small (kBlocks blocks) so that every grid-stride loop takes several turns.
 #include <doctest/doctest.h>
@@ -30,12 +35,11 @@
 #include "dte/layout/plan.hpp"
 #include "dte/layout/serving.hpp"
 #include "dte/optim/adam.hpp"
-#include "dte/pipeline/device_kernels.hpp"
-#include "dte/pipeline/device_tables.hpp"
+#include "dte/pipeline/device_stages.hpp"
 #include "dte/pipeline/route_batches.hpp"
-#include "dte/pipeline/runs.hpp"
 #include "dte/pipeline/segment_weights.hpp"
 #include "dte/sim/access.hpp"
+#include "dte/sim/simt_host.hpp"
 #include "dte/sim/synthetic_trainer.hpp"
 #include "stage_reference.hpp"
 
@@ -45,211 +49,21 @@ namespace dev = dte::pipeline::device;
 namespace simt = dte::simt;
 using dte::layout::BufferKind;
 using dte::pipeline::ScanMode;
+using dte::sim::SimtHost;
 using dte_test::StageResult;
 
 constexpr unsigned kBlocks = 3;
 // A scratch limit that routes the golden shards in many batches.
 constexpr std::uint64_t kSmallScratch = dte::pipeline::route_bytes_per_batch + (1u << 16);
+// What detect holds besides the routing while a scan runs, at most, on these tiny models: the
+// bound kernels, the weights table and the counts (a few KiB).
+constexpr std::uint64_t kDetectBytes = 1u << 16;
 constexpr auto kThreads = static_cast<unsigned>(dev::block_threads);
 
 using Inverse = dte::AdamWInverse;
 using Detect = dte::BF16Detect;
 using Kernel = Inverse::kernel;
-
-// One buffer's routed entries in bucket order, per receiver (what Buckets holds on a GPU).
-struct HostBuckets {
-  std::vector<std::uint32_t> tensor, index;
-  std::vector<std::uint16_t> bits;
-  std::vector<std::uint64_t> offset, count;
-};
-
-// SenderPipeline's stages on the host: its tables, its kernel bodies run by simt::host, the host
-// twins of its CUB calls, in the order pipeline/device.cuh enqueues them.
-class HostTwinSender {
- public:
-  HostTwinSender(const dte::layout::HfModel& hf, const dte::layout::TrainTopology& train,
-                 const dte::layout::ServingLayout& recv, std::int64_t rank,
-                 std::uint64_t scratch_limit = std::uint64_t{256} << 20)
-      : hf_(&hf),
-        scratch_limit_(scratch_limit),
-        rank_(rank),
-        receivers_(static_cast<std::size_t>(recv.topology().ranks())),
-        plan_(hf, train, rank),
-        table_(plan_, hf, &recv) {
-    for (BufferKind b : dte_test::kBuffers) {
-      const int x = static_cast<int>(b);
-      work_[x] = dte::pipeline::WorkTable(table_.runs(b), plan_.segments(b), dev::item_elements);
-      const std::size_t words = (static_cast<std::size_t>(plan_.shard_size(b)) + 63) / 64;
-      send_[x].assign(words, 0);
-      mask_[x].assign(words, 0);
-    }
-  }
-
-  // Stage 1 on buffer b (binds the kernels and weights for the stages after it).
-  dev::DetectTotals detect(const dte::sim::AdamWAccess& a, BufferKind b, ScanMode mode,
-                           std::vector<dte::Digest>& digest,
-                           std::vector<unsigned long long>& per_receiver) {
-    const int x = static_cast<int>(b);
-    weights_[x].clear();
-    kernels_[x].clear();
-    for (const dte::layout::PlanSegment& s : plan_.segments(b)) {
-      const std::string label = "segment " + std::to_string(s.param);
-      const std::span<const float> w = dte::pipeline::segment_weights(a, rank_, b, s, label);
-      weights_[x].push_back(w.data());
-      if (mode != ScanMode::all) {
-        kernels_[x].push_back(Inverse::bind_unchecked(a.hyperparameters(rank_, b, s), w,
-                                                      a.state(rank_, b, s), label));
-      }
-    }
-    std::fill(send_[x].begin(), send_[x].end(), 0);
-    dev::DetectTotals totals{0, 0, 0, 0, ~0ull};
-    const auto items = work_[x].items();
-    const dev::DetectItems<Detect, Kernel> body{items.data(),
-                                                static_cast<std::uint32_t>(items.size()),
-                                                table_.runs(b).data(),
-                                                table_.all_targets().data(),
-                                                kernels_[x].data(),
-                                                weights_[x].data(),
-                                                mode,
-                                                mask_[x].data(),
-                                                send_[x].data(),
-                                                &totals,
-                                                digest.data(),
-                                                per_receiver.data()};
-    simt::host::each_warp(kBlocks, kThreads, body);
-    return totals;
-  }
-
-  // Stages 2-4 on buffer b after detect, batch by batch as route_and_bucket runs them (its
-  // batches: route_batches within the scratch limit): per batch compact, count, scan, route,
-  // sort, gather, and the bucket ends; the batches in shard order.
-  std::vector<HostBuckets> route_and_bucket(BufferKind b,
-                                            const std::vector<unsigned long long>& per_receiver) {
-    const int x = static_cast<int>(b);
-    std::vector<HostBuckets> out;
-    std::vector<std::uint64_t> routed(receivers_, 0);
-    const auto items = work_[x].items();
-    const auto n_items = static_cast<std::uint32_t>(items.size());
-    for (const dte::pipeline::RouteBatch& batch :
-         dte::pipeline::route_batches(table_.runs(b), plan_.shard_size(b), scratch_limit_)) {
-      std::vector<std::int64_t> offsets = simt::host::select_flagged(
-          batch.end - batch.begin, dev::detail::BitFrom{send_[x].data(), batch.begin});
-      for (std::int64_t& o : offsets)
-        o += batch.begin;
-      const auto n = static_cast<std::uint64_t>(offsets.size());
-      if (n == 0) continue;
-      std::vector<std::uint64_t> counts(n), positions(n);
-      simt::host::each_thread(kBlocks, kThreads, n,
-                              dev::CountTargets{offsets.data(), items.data(), n_items,
-                                                table_.runs(b).data(), counts.data()});
-      simt::host::exclusive_sum<std::uint64_t>(counts, positions);
-      const std::uint64_t total = positions.back() + counts.back();
-      REQUIRE(total <= batch.max_entries);
-      if (total == 0) continue;
-      REQUIRE(dte::pipeline::route_scratch(static_cast<std::uint64_t>(batch.end - batch.begin),
-                                           total) <= scratch_limit_);
-      std::vector<std::uint32_t> rank(total), rank_sorted(total), tensor(total), index(total);
-      std::vector<std::uint64_t> order(total), order_sorted(total), ends(receivers_, 0);
-      std::vector<std::uint16_t> bits(total);
-      simt::host::each_thread(
-          kBlocks, kThreads, n,
-          dev::RouteEntries<Detect>{offsets.data(), items.data(), n_items, table_.runs(b).data(),
-                                    table_.all_targets().data(), weights_[x].data(),
-                                    positions.data(), rank.data(), order.data(), tensor.data(),
-                                    index.data(), bits.data()});
-      simt::host::sort_pairs<std::uint32_t, std::uint64_t>(
-          rank, order, dev::receiver_bits(receivers_), rank_sorted, order_sorted);
-      HostBuckets& k = out.emplace_back();
-      k.tensor.resize(total);
-      k.index.resize(total);
-      k.bits.resize(total);
-      simt::host::each_thread(
-          kBlocks, kThreads, total,
-          dev::GatherEntries{order_sorted.data(), tensor.data(), index.data(), bits.data(),
-                             k.tensor.data(), k.index.data(), k.bits.data()});
-      simt::host::each_thread(kBlocks, kThreads, total,
-                              dev::BucketEnds{rank_sorted.data(), total, ends.data()});
-      k.offset.resize(receivers_);
-      k.count.resize(receivers_);
-      dev::bucket_bounds(ends.data(), receivers_, k.offset.data(), k.count.data());
-      for (std::size_t d = 0; d < receivers_; ++d)
-        routed[d] += k.count[d];
-    }
-    for (std::size_t d = 0; d < receivers_; ++d)
-      CHECK(routed[d] == per_receiver[d]);  // (the detect stage's count per receiver)
-    return out;
-  }
-
-  // SenderPipeline::scan on the host: the counts into r (flagged, guard, scanned, digest; r's
-  // digest sized to the model), the buckets of each buffer.
-  std::vector<HostBuckets> scan(const dte::sim::AdamWAccess& a, ScanMode mode, StageResult& r) {
-    std::vector<HostBuckets> out;
-    for (BufferKind b : dte_test::kBuffers) {
-      if (plan_.shard_size(b) == 0) continue;
-      std::vector<unsigned long long> per_receiver(receivers_, 0);
-      const dev::DetectTotals t = detect(a, b, mode, r.digest, per_receiver);
-      REQUIRE(t.first_invalid_item == ~0ull);
-      r.flagged += t.flagged;
-      r.guard += t.guard;
-      r.scanned += t.scanned;
-      if (mode == ScanMode::mark) continue;
-      std::uint64_t entries = 0;
-      for (HostBuckets& k : route_and_bucket(b, per_receiver)) {
-        entries += k.tensor.size();
-        out.push_back(std::move(k));
-      }
-      CHECK(entries == t.entries);
-    }
-    return out;
-  }
-
-  // The same, as the reference's per-receiver lists (the batches in order).
-  StageResult scan(const dte::sim::AdamWAccess& a, ScanMode mode) {
-    StageResult r;
-    r.digest.assign(static_cast<std::size_t>(hf_->size()), 0);
-    r.to.resize(receivers_);
-    batches_ = 0;
-    for (const HostBuckets& k : scan(a, mode, r)) {
-      ++batches_;
-      for (std::size_t d = 0; d < k.count.size(); ++d) {
-        for (std::uint64_t e = 0; e < k.count[d]; ++e) {
-          const std::uint64_t at = k.offset[d] + e;
-          r.to[d].emplace_back(k.tensor[at], k.index[at], k.bits[at]);
-        }
-      }
-    }
-    return r;
-  }
-  // Batches that held a change in the last scan.
-  [[nodiscard]] std::size_t batches() const noexcept { return batches_; }
-
-  [[nodiscard]] const std::vector<std::uint64_t>& send(BufferKind b) const {
-    return send_[static_cast<int>(b)];
-  }
-  [[nodiscard]] const dte::pipeline::WorkTable& work(BufferKind b) const {
-    return work_[static_cast<int>(b)];
-  }
-  [[nodiscard]] const std::vector<Kernel>& kernels(BufferKind b) const {
-    return kernels_[static_cast<int>(b)];
-  }
-  [[nodiscard]] const std::vector<const float*>& weights(BufferKind b) const {
-    return weights_[static_cast<int>(b)];
-  }
-  [[nodiscard]] const dte::layout::TransferPlan& plan() const { return plan_; }
-
- private:
-  const dte::layout::HfModel* hf_;
-  std::uint64_t scratch_limit_;
-  std::size_t batches_ = 0;
-  std::int64_t rank_;
-  std::size_t receivers_;
-  dte::layout::TransferPlan plan_;
-  dte::pipeline::RunTable table_;
-  dte::pipeline::WorkTable work_[2];
-  std::vector<std::uint64_t> send_[2], mask_[2];
-  std::vector<Kernel> kernels_[2];
-  std::vector<const float*> weights_[2];
-};
+using Pipeline = dev::SenderPipeline<Inverse, Detect, dte::layout::TransferPlan, SimtHost>;
 
 }  // namespace
 
@@ -271,16 +85,32 @@ TEST_CASE("device-on-host: stages 1-4 == the host frame, every mode, every rank"
       for (std::int64_t rank = 0; rank < train.world(); ++rank) {
         INFO("trainer rank " << rank);
         dte_test::HostSender host(hf, train, &recv, rank, true, dte::exec::Host(1));
-        HostTwinSender twin(hf, train, recv, rank, limit);
+        const SimtHost e(kBlocks, limit);
+        Pipeline twin(hf, train, recv, rank, true, e);
+        // The routing's scratch: as the stages count it, and as the twin's arrays hold it.
+        const auto scan = [&](ScanMode mode) {
+          const std::uint64_t held = e.stats().held;
+          e.reset_peak();
+          StageResult r = dte_test::device_scan(twin, access, mode, tensors, receivers);
+          // Left behind: only what detect keeps bound for the next stages.
+          CHECK(e.stats().held <= held + kDetectBytes);
+          if (mode != ScanMode::mark) {
+            CHECK(e.stats().peak - held <= limit + kDetectBytes);
+            for (BufferKind b : dte_test::kBuffers) {
+              CHECK(twin.routed(b).peak_scratch <= limit);
+              batches += twin.routed(b).batches;
+            }
+          }
+          return r;
+        };
         dte_test::check_same(dte_test::host_stages(host, access, ScanMode::all, tensors, receivers),
-                             twin.scan(access, ScanMode::all));
-        batches += twin.batches();
+                             scan(ScanMode::all));
         // Each step moves the trainer; the host frame and the twin both see it.
         for (const ScanMode mode : {ScanMode::detect, ScanMode::mark, ScanMode::mask}) {
           trainer.step();
           INFO("mode " << static_cast<int>(mode));
           const StageResult h = dte_test::host_stages(host, access, mode, tensors, receivers);
-          const StageResult d = twin.scan(access, mode);
+          const StageResult d = scan(mode);
           dte_test::check_same(h, d);
           if (mode == ScanMode::detect) CHECK(h.flagged > 0);  // the case exercises changes
         }
@@ -350,42 +180,40 @@ TEST_CASE("routing batches: cover the shard in order, each within the scratch li
 
 namespace {
 
-// One receiver rank's tensors on the host, and apply_entries' two kernels: the check body over
-// every entry, then (no entry refused) the write body.
-struct HostTwinReceiver {
-  std::vector<std::vector<std::uint16_t>> tensors;
-  std::vector<std::uint16_t*> pointers;
+// One receiver rank's tensors in the twin's memory, and its DeviceReceiver.
+struct TwinReceiver {
+  std::vector<dev::Array<SimtHost, std::uint16_t>> tensors;
   std::vector<std::uint64_t> live;
-  dte::pipeline::ReceiverSourceTable table;
-  std::vector<dte::Digest> digest;
+  dev::DeviceReceiver<SimtHost> rx;
 
-  HostTwinReceiver(const dte::layout::HfModel& hf, const dte::layout::ServingLayout& recv,
-                   std::int64_t rank)
-      : table(hf, recv, rank), digest(static_cast<std::size_t>(hf.size()), 0) {
+  TwinReceiver(const SimtHost& e, const dte::layout::HfModel& hf,
+               const dte::layout::ServingLayout& recv, std::int64_t rank) {
     const std::int64_t ts = rank % recv.topology().tp;
+    std::vector<std::uint16_t*> pointers;
     for (std::int64_t k = 0; k < recv.size(); ++k) {
-      tensors.emplace_back(static_cast<std::size_t>(recv[k].numel), std::uint16_t{0});
+      tensors.push_back(
+          dev::Array<SimtHost, std::uint16_t>::zeros(e, static_cast<std::size_t>(recv[k].numel)));
+      pointers.push_back(tensors.back().data());
       live.push_back(static_cast<std::uint64_t>(recv.live_end(ts, k)));
     }
-    for (auto& t : tensors)
-      pointers.push_back(t.data());
+    rx = dev::DeviceReceiver<SimtHost>(e, pointers, live,
+                                       dte::pipeline::ReceiverSourceTable(hf, recv, rank),
+                                       static_cast<std::size_t>(hf.size()));
   }
-
-  // Returns the first refused entry (~0: none, and then every entry is written).
-  unsigned long long apply(const std::uint32_t* tensor, const std::uint32_t* index,
-                           const std::uint16_t* bits, std::uint64_t n, bool fresh) {
-    const auto runs = table.runs();
-    const auto n_sources = static_cast<std::uint32_t>(runs.size());
-    unsigned long long first_bad = ~0ull;
-    simt::host::each_thread(
-        kBlocks, kThreads, n,
-        dev::CheckEntries{tensor, index, static_cast<std::uint32_t>(pointers.size()), live.data(),
-                          runs.data(), n_sources, &first_bad});
-    if (first_bad != ~0ull) return first_bad;
-    simt::host::each_thread(kBlocks, kThreads, n,
-                            dev::WriteEntries{tensor, index, bits, pointers.data(), runs.data(),
-                                              n_sources, fresh, digest.data()});
-    return first_bad;
+  [[nodiscard]] std::vector<std::vector<std::uint16_t>> download() const {
+    std::vector<std::vector<std::uint16_t>> out;
+    for (const auto& t : tensors)
+      out.push_back(t.to_host());
+    return out;
+  }
+  // The entries copied to the twin's memory, then apply_entries.
+  void apply(const SimtHost& e, std::span<const std::uint32_t> tensor,
+             std::span<const std::uint32_t> index, std::span<const std::uint16_t> bits,
+             bool fresh) {
+    const auto t = dev::Array<SimtHost, std::uint32_t>::copy_of(e, tensor);
+    const auto i = dev::Array<SimtHost, std::uint32_t>::copy_of(e, index);
+    const auto b = dev::Array<SimtHost, std::uint16_t>::copy_of(e, bits);
+    dev::apply_entries(e, rx, t.data(), i.data(), b.data(), tensor.size(), fresh);
   }
 };
 
@@ -402,48 +230,50 @@ TEST_CASE(
     dte::sim::SyntheticTrainer trainer(hf, train, {.seed = 3, .lr = 3e-4});
     const dte::sim::AdamWAccess access{&trainer};
     const auto receivers = static_cast<std::size_t>(recv.topology().ranks());
-    std::vector<HostTwinSender> senders;
+    const SimtHost e(kBlocks, kSmallScratch);  // (in batches)
+    std::vector<Pipeline> senders;
+    senders.reserve(static_cast<std::size_t>(train.world()));
     for (std::int64_t r = 0; r < train.world(); ++r)
-      senders.emplace_back(hf, train, recv, r, kSmallScratch);  // (in batches)
-    std::vector<HostTwinReceiver> rx;
+      senders.emplace_back(hf, train, recv, r, false, e);
+    std::vector<TwinReceiver> rx;
     for (std::size_t d = 0; d < receivers; ++d)
-      rx.emplace_back(hf, recv, static_cast<std::int64_t>(d));
+      rx.emplace_back(e, hf, recv, static_cast<std::int64_t>(d));
     for (int publication = 0; publication < 4; ++publication) {
       INFO("publication " << publication);
       const bool full = publication == 0;
       if (!full) trainer.step();
-      for (HostTwinSender& s : senders) {
-        StageResult counts;
-        counts.digest.assign(static_cast<std::size_t>(hf.size()), 0);
-        for (const HostBuckets& k :
-             s.scan(access, full ? ScanMode::all : ScanMode::detect, counts)) {
-          for (std::size_t d = 0; d < k.count.size(); ++d) {
-            const std::uint64_t at = k.offset[d];
-            CHECK(rx[d].apply(k.tensor.data() + at, k.index.data() + at, k.bits.data() + at,
-                              k.count[d], full) == ~0ull);
-          }
-        }
+      for (Pipeline& s : senders) {
+        (void)s.scan(access, full ? ScanMode::all : ScanMode::detect,
+                     [&](BufferKind, const dev::BucketBatch& k) {
+                       for (std::size_t d = 0; d < receivers; ++d) {
+                         if (k.count[d] == 0) continue;
+                         const std::size_t at = k.offset[d], n = k.count[d];
+                         rx[d].apply(e, k.tensor.subspan(at, n), k.index.subspan(at, n),
+                                     k.bits.subspan(at, n), full);
+                       }
+                     });
       }
       const std::vector<float> canonical = trainer.canonical_weights();
       for (std::size_t d = 0; d < receivers; ++d) {
         INFO("receiver " << d);
         std::vector<dte::Digest> want;
-        CHECK(dte_test::mismatches(hf, recv, static_cast<std::int64_t>(d), rx[d].tensors, canonical,
-                                   want) == 0);
-        CHECK(rx[d].digest == want);
+        CHECK(dte_test::mismatches(hf, recv, static_cast<std::int64_t>(d), rx[d].download(),
+                                   canonical, want) == 0);
+        CHECK(rx[d].rx.digest.to_host() == want);
       }
     }
     // Entry 1 writes beyond the live elements of tensor 0: refused, nothing written.
-    const auto before = rx[0].tensors;
+    const auto before = rx[0].download();
     const std::vector<std::uint32_t> t = {0, 0, 0};
     const std::vector<std::uint32_t> i = {0, static_cast<std::uint32_t>(rx[0].live[0]), 1};
     const std::vector<std::uint16_t> b = {0x1234, 0x1234, 0x1234};
-    CHECK(rx[0].apply(t.data(), i.data(), b.data(), 3, false) == 1);
-    CHECK(rx[0].tensors == before);
+    CHECK_THROWS_WITH_AS(rx[0].apply(e, t, i, b, false), doctest::Contains("entry 1 writes"),
+                         dte::protocol_error);
+    CHECK(rx[0].download() == before);
   }
 }
 
-TEST_CASE("device-on-host: a publication's batches are the compacted offsets, whatever the batch") {
+TEST_CASE("device-on-host: a publication's batches do not depend on their size") {
   const dte::layout::HfModel hf(dte::layout::model_preset("tiny-qwen3-moe"));
   const auto train = dte::layout::parse_train_topology("tp=2,ep=2,dp=2");
   const dte::layout::ServingLayout recv(hf, dte::layout::parse_infer_topology("tp=2"));
@@ -451,55 +281,50 @@ TEST_CASE("device-on-host: a publication's batches are the compacted offsets, wh
   const dte::sim::AdamWAccess access{&trainer};
   trainer.step();
   const std::int64_t rank = 1;
-  HostTwinSender twin(hf, train, recv, rank);
+  Pipeline twin(hf, train, recv, rank, false, SimtHost(kBlocks));
+  const auto found = twin.detect(access, ScanMode::detect);
   for (BufferKind b : dte_test::kBuffers) {
     const std::int64_t shard = twin.plan().shard_size(b);
     if (shard == 0) continue;
     INFO("buffer " << static_cast<int>(b));
-    std::vector<dte::Digest> digest(static_cast<std::size_t>(hf.size()), 0);
-    std::vector<unsigned long long> per_receiver(static_cast<std::size_t>(recv.topology().ranks()));
-    const dev::DetectTotals t = twin.detect(access, b, ScanMode::detect, digest, per_receiver);
-    REQUIRE(t.flagged > 0);
-    const std::vector<std::int64_t> all =
-        simt::host::select_flagged(shard, dev::detail::BitOf{twin.send(b).data()});
-    REQUIRE(all.size() == t.flagged);
+    const std::uint64_t flagged = found[static_cast<std::size_t>(b)].flagged;
+    REQUIRE(flagged > 0);
     const auto theta = access.theta(rank, b);
-    const auto items = twin.work(b).items();
-    for (const std::int64_t batch : {std::int64_t{1000}, std::int64_t{4096}, shard}) {
+    std::vector<std::int64_t> whole;
+    for (const std::int64_t batch : {shard, std::int64_t{4096}, std::int64_t{1000}}) {
       INFO("batch " << batch);
-      const auto capacity = static_cast<std::size_t>(std::min<std::int64_t>(batch, shard));
-      std::vector<std::uint16_t> bits(capacity);
-      std::vector<dte::PreviousBits> previous(capacity);
       std::vector<std::int64_t> seen;
-      for (std::int64_t begin = 0; begin < shard; begin += batch) {
-        const std::int64_t n = std::min(batch, shard - begin);
-        const std::vector<std::uint32_t> offset = simt::host::select_flagged(
-            static_cast<std::uint32_t>(n), dev::detail::BitFrom{twin.send(b).data(), begin});
-        const unsigned long long count = offset.size();
-        simt::host::each_thread(
-            kBlocks, kThreads, capacity,
-            dev::GatherChanged<Detect, Kernel>{offset.data(), &count, begin, items.data(),
-                                               static_cast<std::uint32_t>(items.size()),
-                                               twin.kernels(b).data(), twin.weights(b).data(),
-                                               bits.data(), previous.data()});
-        for (std::size_t k = 0; k < offset.size(); ++k) {
-          const std::int64_t o = begin + offset[k];
-          seen.push_back(o);
-          CHECK(bits[k] == Detect::store(theta[static_cast<std::size_t>(o)]));
-          // The previous bits of the element's own segment kernel, bound on the host.
-          for (const dte::layout::PlanSegment& s : twin.plan().segments(b)) {
-            if (o < s.shard_begin || o >= s.shard_begin + s.length) continue;
-            const Kernel k1 = Inverse::bind(access.hyperparameters(rank, b, s),
-                                            theta.subspan(static_cast<std::size_t>(s.shard_begin),
-                                                          static_cast<std::size_t>(s.length)),
-                                            access.state(rank, b, s));
-            const dte::PreviousBits want =
-                Detect::previous(k1(static_cast<std::size_t>(o - s.shard_begin)));
-            CHECK(std::memcmp(&previous[k], &want, sizeof want) == 0);
-          }
-        }
+      twin.gather(
+          b, flagged, true, batch,
+          [&](std::int64_t begin, std::span<const std::uint32_t> offset,
+              std::span<const std::uint16_t> bits, std::span<const dte::PreviousBits> previous) {
+            REQUIRE(previous.size() == offset.size());
+            for (std::size_t k = 0; k < offset.size(); ++k) {
+              CHECK(offset[k] < batch);
+              const std::int64_t o = begin + offset[k];
+              seen.push_back(o);
+              CHECK(bits[k] == Detect::store(theta[static_cast<std::size_t>(o)]));
+              // The previous bits of the element's own segment kernel, bound on the host.
+              for (const dte::layout::PlanSegment& s : twin.plan().segments(b)) {
+                if (o < s.shard_begin || o >= s.shard_begin + s.length) continue;
+                const Kernel k1 =
+                    Inverse::bind(access.hyperparameters(rank, b, s),
+                                  theta.subspan(static_cast<std::size_t>(s.shard_begin),
+                                                static_cast<std::size_t>(s.length)),
+                                  access.state(rank, b, s));
+                const dte::PreviousBits want =
+                    Detect::previous(k1(static_cast<std::size_t>(o - s.shard_begin)));
+                CHECK(std::memcmp(&previous[k], &want, sizeof want) == 0);
+              }
+            }
+          });
+      CHECK(seen.size() == flagged);
+      CHECK(std::is_sorted(seen.begin(), seen.end()));
+      if (whole.empty()) {
+        whole = seen;
+      } else {
+        CHECK(seen == whole);
       }
-      CHECK(seen == all);
     }
   }
 }

@@ -2,7 +2,8 @@
 // The CUDA backend's kernels: the per-element passes on the device, classify (one Verdict per
 // element) and audit (the counts of dte::audit_reconstruction), and the grid sizing every
 // launch uses (the occupancy API). The executor, its memory and the status checks are host code
-// in exec/cuda_executor.hpp; the pipeline stages on the executor are in pipeline/device.cuh. All
+// in exec/cuda_executor.hpp; the pipeline stages on the executor are pipeline/device_stages.hpp
+// over exec/cuda_device_ops.cuh (pipeline/device.cuh includes both). All
 // run the same DTE_HOST_DEVICE functors as the host backend, so a rule tested on the CPU is the
 // rule the GPU applies.
 //

@@ -155,8 +155,8 @@ class Stream {
 // The bound on the scratch a publication's routing holds at once, by default: 256 MiB.
 inline constexpr std::uint64_t default_scratch_limit = 256ull << 20;
 
-// The CUDA executor: the pipeline's device stages (pipeline/device.cuh) run on its stream, in
-// order, and take their scratch from its allocator. The executor concept's host primitives
+// The CUDA executor: the pipeline's device stages (pipeline/device_stages.hpp) run on its stream,
+// in order, and take their scratch from its allocator. The executor concept's host primitives
 // (for_each, for_each_ordered, exclusive_scan) run on the calling thread: on this backend they
 // carry only per-tensor and per-receiver bookkeeping, never per-element work.
 class Cuda {

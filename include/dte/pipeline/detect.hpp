@@ -99,7 +99,7 @@ Digest store_piece(const float* theta, std::size_t n, std::int64_t canonical,
 }
 
 // The rule for one element, shared by detect_scalar and the CUDA detect kernel
-// (pipeline/device.cuh): i is the element's index in the segment's kernel; canonical its
+// (pipeline/device_stages.hpp): i is the element's index in the segment's kernel; canonical its
 // canonical index when its digest term counts (else < 0); send_piece whether its piece is sent
 // at all; marked whether the dirty mask held it before this step (mask mode only). What the
 // caller does with the mask: OR `hit` in (detect, mark) or clear the mark (mask).

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// The bodies of the device pipeline's kernels (pipeline/device.cuh), as DTE_HOST_DEVICE functors
-// over the SIMT context of exec/simt.hpp: written once, run on the GPU by exec/simt.cuh's
+// The bodies of the device pipeline's kernels (pipeline/device_stages.hpp), as DTE_HOST_DEVICE
+// functors over the SIMT context of exec/simt.hpp: written once, run on the GPU by exec/simt.cuh's
 // wrappers and on the host by simt::host (tests/device_on_host/, ctest -L device-on-host).
 //   DetectItems    stage 1, per warp: the verdicts, mask and send bits, the counts
 //   CountTargets   stage 3a, per changed element: its receiver copies

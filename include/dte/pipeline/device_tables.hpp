@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// The tables the CUDA pipeline (pipeline/device.cuh) reads, built on the host once per rank and
-// copied to the device as flat arrays of trivially copyable rows. Everything here is ordinary
+// The tables the CUDA pipeline (pipeline/device_stages.hpp) reads, built on the host once per rank
+// and copied to the device as flat arrays of trivially copyable rows. Everything here is ordinary
 // host code, tested on the host (tests/pipeline/test_device_tables.cpp); the kernels only index
 // into these rows.
 //   - WorkTable: the sender's shard as work items, each a piece of one run of at most

@@ -3,7 +3,7 @@
 // shard order, into batches whose routing scratch would fit the bound even if every element in
 // them changed (a full publication, or a first delta that changes everything). Each batch is
 // then routed, bucketed by receiver and read into the messages before the next one starts
-// (pipeline/device.cuh, route_and_bucket), so the scratch a publication holds at once is one
+// (pipeline/device_stages.hpp, route_and_bucket), so the scratch a publication holds at once is one
 // batch's, whatever the shard's size; the messages are the same bytes as one unbatched pass,
 // since every receiver's entries still arrive in shard order.
 //

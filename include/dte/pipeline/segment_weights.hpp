@@ -2,7 +2,7 @@
 // Where a plan segment's weights are, from a trainer access (concept trainer_access): its own
 // span (segmented_access: a sharded PyTorch rank's local tensor, its size checked against the
 // segment's), or its piece of the buffer's one span. The host frame (pipeline/frame.hpp) and the
-// device stages (pipeline/device.cuh) alike: the spans are sliced, never read here.
+// device stages (pipeline/device_stages.hpp) alike: the spans are sliced, never read here.
 #pragma once
 
 #include <cstdint>
