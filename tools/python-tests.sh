@@ -4,7 +4,7 @@
 # and installed into a venv made with --system-site-packages over a python3 that has torch
 # (Debian's python3-torch), then pytest. Then, with the same wheel in the venv with PyPI's torch,
 # vLLM and SGLang (tools/install-deps.sh vllm), the sharded trainers' tests (FSDP2 needs
-# torch >= 2.6), the vLLM tests and the SGLang tests. tools/test.sh runs it after the C++ suite.
+# torch >= 2.6), the vLLM tests and the SGLang tests. tools/test.sh runs it beside the C++ lane.
 #   tools/python-tests.sh [pytest arguments]
 # Environment: DTE_PYTHON_VENV (default build/pyenv), DTE_PYTHON (the interpreter with torch).
 set -euo pipefail
@@ -25,6 +25,14 @@ fi
 if [ -z "$python" ]; then
   echo "python-tests: no python3 with torch; install Debian's python3-torch (tools/install-deps.sh)" >&2
   exit 1
+fi
+# The vLLM venv (mostly a download) is made in the background while the wheel is built.
+want_vllm_venv=0
+if [ "${DTE_SKIP_VLLM:-0}" != "1" ] || [ "${DTE_SKIP_SHARDED:-0}" != "1" ] ||
+  [ "${DTE_SKIP_SGLANG:-0}" != "1" ]; then
+  want_vllm_venv=1
+  phase "vllm venv" "$root/tools/install-deps.sh" vllm &
+  vllm_venv_job=$!
 fi
 if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv --system-site-packages "$venv"
@@ -52,9 +60,8 @@ phase pytest "$venv/bin/python" -m pytest -q --ignore=on_vllm --ignore=sharded -
 # torch.distributed (docs/python.md; DTE_SKIP_SHARDED=1 skips them), the vLLM backend on a real
 # vLLM engine (docs/vllm.md; DTE_SKIP_VLLM=1 skips it) and the SGLang loader on SGLang's own model
 # classes (docs/sglang.md; DTE_SKIP_SGLANG=1 skips it).
-if [ "${DTE_SKIP_VLLM:-0}" != "1" ] || [ "${DTE_SKIP_SHARDED:-0}" != "1" ] ||
-  [ "${DTE_SKIP_SGLANG:-0}" != "1" ]; then
-  phase "vllm venv" "$root/tools/install-deps.sh" vllm
+if [ "$want_vllm_venv" = 1 ]; then
+  wait "$vllm_venv_job"
   vllm_venv="${DTE_VLLM_VENV:-$root/build/vllm-venv}"
   "$vllm_venv/bin/python" -m pip install -q --no-deps --force-reinstall "$wheel"
   if [ "${DTE_SKIP_SHARDED:-0}" != "1" ]; then

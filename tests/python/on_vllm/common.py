@@ -232,9 +232,19 @@ def reference_reason(full, deltas_since_full, why=None):
 
 def reference_versions(record):
     """The versions of a record the reference compares: those with a reason, and the last one (a
-    record without reasons, as server.py writes: every version)."""
+    record without reasons, as server.py writes: every version). At tp > 1 each reason once: a
+    fresh engine costs ~16 s there, and a second run of deltas after a restart repeats the path
+    of the first (the tp = 1 records compare every such version; every version's parameters are
+    still checked bit for bit at every tp)."""
     versions = record["versions"]
-    return [v for v in versions[:-1] if v.get("reference", True)] + versions[-1:]
+    picked, seen = [], set()
+    for v in versions[:-1]:
+        why = v.get("reference", True)
+        if not why or (record.get("tp", 1) > 1 and isinstance(why, str) and why in seen):
+            continue
+        seen.add(why)
+        picked.append(v)
+    return picked + versions[-1:]
 
 
 def save_json(path, obj):

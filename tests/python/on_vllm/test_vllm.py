@@ -11,7 +11,7 @@ parameters equal the trainer's BF16 weights bit for bit, and the refusals (confi
 restart without continue_after, ...). The reference (reference.py) then runs a fresh stock
 engine on the checkpoint of each version where something differs (every full publication, the two
 deltas after it, the end of each run of deltas, the deltas after refusals:
-common.reference_reason): greedy tokens and logprobs must be equal, exactly for the in-process
+common.reference_reason; at tp = 2 each reason once: common.reference_versions): greedy tokens and logprobs must be equal, exactly for the in-process
 engines (reference.py says why multi-process ones get a tolerance). This is what
 catches a layer the engine computes from a stale copy of: the parameters match then, the
 generation does not. Each scenario runs in its own process: vLLM keeps process-wide state.
