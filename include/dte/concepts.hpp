@@ -162,23 +162,44 @@ concept executor = requires {
   { e.exclusive_scan(in, out) } -> std::same_as<std::uint64_t>;
 };
 
+// An executor with device memory: allocate / deallocate (from its allocator), upload / download
+// / fill (enqueued, in order) and synchronize() (waits for everything enqueued).
+// exec::BasicDeviceArray (exec/device_array.hpp) holds its arrays.
+template <class E>
+concept device_memory = requires(const E& e, void* d, const void* h, std::size_t n) {
+  { e.allocate(n) } -> std::convertible_to<void*>;
+  e.deallocate(d, n);
+  e.upload(d, h, n);
+  e.download(d, h, n);
+  e.fill(d, 0, n);
+  e.synchronize();
+};
+
 namespace exec {
-// What the device stages (pipeline/device_stages.hpp) ask of the executor they run on: its
-// memory (arrays, pinned host buffers, fills and copies), its launches of the kernel bodies
+// What the device stages (pipeline/device_stages.hpp) ask of the executor they run on, beyond
+// its memory: pinned host buffers, the pointer check, its launches of the kernel bodies
 // (pipeline/device_kernels.hpp) and its device-wide algorithms (select, scan, sort). Each device
 // executor specialises it: exec::Cuda in exec/cuda_device_ops.cuh, the host twin that runs the
 // same stages on the CPU in dte/sim/simt_host.hpp (ctest -L device-on-host).
 template <class E>
 struct device_ops;
+
+// Where device_ops<E>::sort_pairs left the sorted keys and values (one of each pair of buffers it
+// was given), and the temporary it took.
+template <class K, class V>
+struct SortedPairs {
+  K* keys;
+  V* values;
+  std::size_t temp_bytes;
+};
 }  // namespace exec
 
-// An executor the device stages run on: an executor with device_ops, a scratch limit and a
-// synchronize() that waits for what it enqueued.
+// An executor the device stages run on: an executor with device memory, device_ops and a scratch
+// limit.
 template <class E>
-concept device_executor = executor<E> && requires(const E& e) {
+concept device_executor = executor<E> && device_memory<E> && requires(const E& e) {
   typename exec::device_ops<E>::pinned;
   { e.scratch_limit() } -> std::convertible_to<std::uint64_t>;
-  e.synchronize();
 };
 
 // A per-rank endpoint of a world of S sender (trainer) ranks and R receiver ranks: ranks

@@ -12,21 +12,14 @@
 
 #include <cuda_runtime.h>
 
-#include <array>
-#include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <cstdio>
-#include <memory>
-#include <optional>
+#include <iterator>
 #include <span>
 #include <string>
-#include <thread>
-#include <tuple>
-#include <utility>
 #include <vector>
 
-#include "../device_on_host/recording_transport.hpp"
+#include "../device_on_host/engine_world.hpp"
 #include "../device_on_host/stage_reference.hpp"
 #include "dte/detect/detect.hpp"
 #include "dte/engine/device_receiver.cuh"
@@ -43,6 +36,7 @@
 #include "dte/sim/access.hpp"
 #include "dte/sim/device_access.cuh"
 #include "dte/sim/synthetic_trainer.hpp"
+#include "engine_backend.cuh"
 
 namespace {
 
@@ -360,172 +354,19 @@ TEST_CASE("device apply: a full publication then deltas leave every receiver den
 }
 
 TEST_CASE("DeltaEngine on exec::Cuda (device state, device receivers) == the host engine") {
-  // The same trainer, published by a host engine and by a device engine over two loopback
-  // worlds; the device receivers must stay dense-equal and verified, both engines must report
-  // the same changed elements, scanned elements and digest every publication, and every trainer
-  // rank must send every receiver the same bytes from both backends (one encoding policy).
+  // The differential of tests/device_on_host/engine_world.hpp (the host twin runs it in CI):
+  // every report's counts and digest, and every message each trainer rank sends each receiver,
+  // byte for byte, the device receivers dense-equal and verified. Over the golden pairs and an
+  // MoE trainer with data parallelism, K = 1 and 3, in one routing batch and in many.
   using namespace dte;
-  const layout::HfModel hf(layout::model_preset("tiny-qwen3-moe"));
-  const auto train = layout::parse_train_topology("tp=2,ep=2,dp=2");
-  const layout::ServingLayout recv(hf, layout::parse_infer_topology("tp=2,replicas=2"));
-  sim::SyntheticTrainer trainer(hf, train, {.seed = 11, .lr = 2e-4});
-  const int senders = static_cast<int>(train.world());
-  const int receivers = static_cast<int>(recv.topology().ranks());
-  const int world = senders + receivers;
-  for (const int every : {1, 3}) {
-    INFO("publish every " << every);
-    EngineConfig config;
-    config.publish_every = every;
-    LoopbackWorld host_world(senders, receivers, std::chrono::seconds(30)),
-        device_world(senders, receivers, std::chrono::seconds(30));
-    std::vector<std::vector<SyncReport>> host_reports(static_cast<std::size_t>(world)),
-        device_reports(static_cast<std::size_t>(world));
-    std::vector<std::vector<std::vector<std::uint16_t>>> device_final(
-        static_cast<std::size_t>(world));
-    using Recorded = dte_test::Recording<LoopbackTwoRound>;
-    std::vector<Recorded::Log> host_sent(static_cast<std::size_t>(world)),
-        device_sent(static_cast<std::size_t>(world));
-    std::vector<std::string> failures(static_cast<std::size_t>(2 * world));
-    std::atomic<int> arrived{0}, generation{0};
-    std::atomic<bool> failed{false};
-    auto barrier = [&] {  // 2 * world threads; the last one steps the trainer
-      const int g = generation.load();
-      if (arrived.fetch_add(1) + 1 == 2 * world) {
-        trainer.step();
-        arrived = 0;
-        generation.fetch_add(1);
-      } else {
-        while (generation.load() == g && !failed.load())
-          std::this_thread::yield();
-      }
-    };
-    constexpr int kSteps = 7;
-    auto run = [&](int rank, bool device) {
-      try {
-        LoopbackTwoRound loopback(device ? device_world : host_world, rank);
-        Recorded t(loopback, (device ? device_sent : host_sent)[static_cast<std::size_t>(rank)]);
-        auto& reports = (device ? device_reports : host_reports)[static_cast<std::size_t>(rank)];
-        if (!device) {
-          std::vector<std::vector<std::uint16_t>> storage;
-          ReceiverTensors views;
-          if (t.is_receiver()) {
-            for (std::int64_t k = 0; k < recv.size(); ++k) {
-              storage.emplace_back(static_cast<std::size_t>(recv[k].numel), std::uint16_t{0});
-              views.emplace_back(storage.back());
-            }
-          }
-          DeltaEngine<AdamWInverse, BF16Detect, MegatronToHF, Recorded> engine(
-              hf, train, recv, config, t, views, exec::Host(1));
-          const sim::AdamWAccess access{&trainer};
-          reports.push_back(engine.publish_full(access));
-          for (int step = 1; step <= kSteps; ++step) {
-            barrier();
-            SyncReport rep;
-            if (engine.step(access, rep)) reports.push_back(rep);
-          }
-          return;
-        }
-        const exec::Stream stream;
-        const exec::Cuda e(stream);
-        std::vector<DeviceArray<std::uint16_t>> tensors;
-        std::shared_ptr<TensorSink> sink;
-        std::optional<sim::DeviceAdamWAccess> access;
-        if (t.is_receiver()) {
-          std::vector<std::uint16_t*> pointers;
-          for (std::int64_t k = 0; k < recv.size(); ++k) {
-            tensors.push_back(
-                DeviceArray<std::uint16_t>::zeros(e, static_cast<std::size_t>(recv[k].numel)));
-            pointers.push_back(tensors.back().data());
-          }
-          sink = std::make_shared<DeviceTensors>(hf, recv, rank - senders, pointers, e);
-        } else {
-          access.emplace(trainer, rank, e);
-        }
-        {
-          DeltaEngine<AdamWInverse, BF16Detect, MegatronToHF, Recorded, exec::Cuda> engine(
-              hf, train, recv, config, t, sink, e);
-          auto upload = [&] {
-            if (access) access->upload();
-          };
-          const sim::DeviceAdamWAccess* a = access ? &*access : nullptr;
-          // Receivers never read the access; give them a trainer rank's shape anyway.
-          std::optional<sim::DeviceAdamWAccess> unused;
-          if (a == nullptr) a = &unused.emplace(trainer, 0, e);
-          reports.push_back(engine.publish_full(*a));
-          for (int step = 1; step <= kSteps; ++step) {
-            barrier();
-            upload();
-            SyncReport rep;
-            if (engine.step(*a, rep)) reports.push_back(rep);
-          }
-        }
-        if (t.is_receiver()) {
-          for (const auto& x : tensors)
-            device_final[static_cast<std::size_t>(rank)].push_back(x.to_host());
-        }
-      } catch (const std::exception& ex) {
-        failures[static_cast<std::size_t>(rank + (device ? world : 0))] = ex.what();
-        // The others must not wait at the barrier for this rank: they fail too (the loopback
-        // deadline turns their waits into errors).
-        failed = true;
-      }
-    };
-    std::vector<std::thread> threads;
-    for (int r = 0; r < world; ++r) {
-      threads.emplace_back(run, r, false);
-      threads.emplace_back(run, r, true);
-    }
-    for (std::thread& th : threads)
-      th.join();
-    for (const std::string& f : failures)
-      CHECK(f.empty());
-    REQUIRE(host_reports[0].size() == device_reports[0].size());
-    for (std::size_t p = 0; p < host_reports[0].size(); ++p) {
-      INFO("publication " << p);
-      const SyncReport& h = host_reports[0][p];
-      const SyncReport& d = device_reports[0][p];
-      CHECK(d.verified);
-      CHECK(h.verified);
-      CHECK(d.changed == h.changed);
-      CHECK(d.elements_scanned == h.elements_scanned);
-      CHECK(d.guard == h.guard);
-      CHECK(d.digest == h.digest);
-      CHECK(d.version == h.version);
-      CHECK(d.repaired.empty());
-      CHECK(h.repaired.empty());
-    }
-    // The messages themselves: per trainer rank, exchange (one per publication while nothing is
-    // repaired) and receiver, the host engine's bytes == the device engine's, all of them. The
-    // v2 header (engine/wire.hpp) is magic, kind, version, base and group count, with no timing
-    // and no backend tag, so no field is left out: equal bytes are what one policy means.
-    // Both senders append each receiver's elements in shard order and MessageWriter's sending
-    // policy (engine/wire.hpp) alone encodes them; test_engine checks the host side of this
-    // against the streams written element by element, this test the device's streams.
-    for (int s = 0; s < senders; ++s) {
-      INFO("trainer rank " << s);
-      const Recorded::Log& h = host_sent[static_cast<std::size_t>(s)];
-      const Recorded::Log& d = device_sent[static_cast<std::size_t>(s)];
-      CHECK(h.size() == host_reports[0].size());
-      REQUIRE(d.size() == h.size());
-      for (std::size_t x = 0; x < h.size(); ++x) {
-        INFO("exchange " << x);
-        REQUIRE(h[x].size() == static_cast<std::size_t>(receivers));
-        REQUIRE(d[x].size() == h[x].size());
-        for (std::size_t r = 0; r < h[x].size(); ++r) {
-          INFO("receiver " << r);
-          INFO("host: " << dte_test::describe(h[x][r]));
-          INFO("device: " << dte_test::describe(d[x][r]));
-          INFO("first difference: " << dte_test::first_difference(h[x][r], d[x][r]));
-          CHECK(d[x][r] == h[x][r]);
-        }
-      }
-    }
-    const std::vector<float> canonical = trainer.canonical_weights();
-    for (int r = senders; r < world; ++r) {
-      INFO("receiver " << r - senders);
-      std::vector<Digest> digest;
-      CHECK(mismatches(hf, recv, r - senders, device_final[static_cast<std::size_t>(r)], canonical,
-                       digest) == 0);
+  const std::uint64_t small = pipeline::route_bytes_per_batch + (1u << 16);
+  std::vector<dte_test::Pair> pairs(std::begin(dte_test::kGoldenPairs),
+                                    std::end(dte_test::kGoldenPairs));
+  pairs.push_back({"tiny-qwen3-moe", "tp=2,ep=2,dp=2", "tp=2,replicas=2"});
+  for (const dte_test::Pair& p : pairs) {
+    for (const std::int64_t K : {1, 3}) {
+      for (const std::uint64_t scratch : {exec::default_scratch_limit, small})
+        dte_test::same_publications<dte_test::CudaBackend>(p, K, scratch);
     }
   }
 }

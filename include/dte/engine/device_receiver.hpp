@@ -55,7 +55,7 @@ class BasicDeviceTensors : public TensorSink {
 
   void commit(const receive::StagedWrites& w) override {
     if (w.full() && rx_.digest.size() != 0) {
-      Ops::fill(exec_, rx_.digest.data(), 0, rx_.digest.bytes());
+      exec_.fill(rx_.digest.data(), 0, rx_.digest.bytes());
     }
     // (tensor, index, bits) per write
     std::vector<std::uint32_t> tensors, indices;

@@ -105,7 +105,7 @@ class DeviceSenderRank {
       const std::span<const float> d = access.theta(rank(), b);
       host.resize(d.size());
       if (!d.empty()) {
-        exec::device_ops<E>::read(pipeline_.executor(), host.data(), d.data(), d.size_bytes());
+        exec::read(pipeline_.executor(), host.data(), d.data(), d.size_bytes());
       }
       return std::span<const float>(host);
     };

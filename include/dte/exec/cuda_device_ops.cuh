@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // exec::device_ops<exec::Cuda>: what the device stages (pipeline/device_stages.hpp) run on a GPU.
-//   - memory: DeviceArray and PinnedBuffer (exec/cuda_executor.hpp), fills and device-to-host
-//     copies enqueued on the executor's stream, a synchronous read;
+//   - pinned host buffers: PinnedBuffer (exec/cuda_executor.hpp; the executor's own memory,
+//     DeviceArray and its copies, is there too);
 //   - launches: a kernel body (pipeline/device_kernels.hpp) through exec/simt.cuh's __global__
 //     wrappers, over a grid sized by the occupancy API, on the executor's stream;
 //   - device-wide algorithms: CUB's DeviceSelect::Flagged over a counting iterator, DeviceScan::
@@ -47,34 +47,10 @@ std::size_t with_cub_temp(const Cuda& e, Call call) {
 }
 }  // namespace detail
 
-// Where sort_pairs left the sorted keys and values (one of each pair of buffers), and the
-// temporary it took.
-template <class K, class V>
-struct SortedPairs {
-  K* keys;
-  V* values;
-  std::size_t temp_bytes;
-};
-
 template <>
 struct device_ops<Cuda> {
-  template <class T>
-  using array = DeviceArray<T>;
   using pinned = PinnedBuffer;
 
-  // bytes at p set to `byte`, enqueued.
-  static void fill(const Cuda& e, void* p, int byte, std::size_t bytes) {
-    DTE_CUDA_TRY(cudaMemsetAsync(p, byte, bytes, e.stream()));
-  }
-  // Device memory to (pinned) host memory, enqueued: read it after synchronize().
-  static void to_host(const Cuda& e, void* host, const void* device, std::size_t bytes) {
-    DTE_CUDA_TRY(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, e.stream()));
-  }
-  // Device memory to host memory once the stream has passed everything enqueued before.
-  static void read(const Cuda& e, void* host, const void* device, std::size_t bytes) {
-    to_host(e, host, device, bytes);
-    e.synchronize();
-  }
   // Throws invalid_argument, naming who and what, unless the GPU can read p.
   static void check_readable(const char* who, const char* name, const void* p) {
     dte::cuda::detail::require_device_accessible(who, name, p);

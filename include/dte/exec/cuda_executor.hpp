@@ -20,6 +20,7 @@
 
 #include "dte/concepts.hpp"
 #include "dte/error.hpp"
+#include "dte/exec/device_array.hpp"
 #include "dte/exec/scan.hpp"
 
 namespace dte {
@@ -233,6 +234,19 @@ class Cuda {
   }
   void synchronize() const { DTE_CUDA_TRY(cudaStreamSynchronize(stream_)); }
 
+  // Copies and fills, enqueued on the stream. A copy into or out of pageable host memory
+  // completes before it returns (CUDA's rule); into pinned memory it is truly asynchronous: read
+  // it after synchronize().
+  void upload(void* device, const void* host, std::size_t bytes) const {
+    DTE_CUDA_TRY(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, stream_));
+  }
+  void download(void* host, const void* device, std::size_t bytes) const {
+    DTE_CUDA_TRY(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, stream_));
+  }
+  void fill(void* device, int byte, std::size_t bytes) const {
+    DTE_CUDA_TRY(cudaMemsetAsync(device, byte, bytes, stream_));
+  }
+
  private:
   cudaStream_t stream_ = nullptr;
   CudaAllocator allocator_{};
@@ -242,68 +256,9 @@ class Cuda {
 static_assert(executor<Cuda>);
 
 // n elements of T in device memory from an executor's allocator, freed on its stream (also when
-// an exception unwinds). Move-only.
+// an exception unwinds). Move-only (exec/device_array.hpp).
 template <class T>
-class DeviceArray {
- public:
-  DeviceArray() = default;
-  DeviceArray(const Cuda& exec, std::size_t n)
-      : exec_(exec), n_(n), ptr_(static_cast<T*>(exec.allocate(n * sizeof(T)))) {}
-  DeviceArray(DeviceArray&& o) noexcept
-      : exec_(o.exec_), n_(std::exchange(o.n_, 0)), ptr_(std::exchange(o.ptr_, nullptr)) {}
-  DeviceArray& operator=(DeviceArray&& o) noexcept {
-    if (this != &o) {
-      reset();
-      exec_ = o.exec_;
-      n_ = std::exchange(o.n_, 0);
-      ptr_ = std::exchange(o.ptr_, nullptr);
-    }
-    return *this;
-  }
-  ~DeviceArray() { reset(); }
-
-  // A device copy of host data (enqueued on the stream; `host` must stay alive until the stream
-  // passes the copy, or be pinned: the copy from pageable memory completes before it returns).
-  static DeviceArray copy_of(const Cuda& exec, std::span<const T> host) {
-    DeviceArray a(exec, host.size());
-    if (!host.empty()) {
-      DTE_CUDA_TRY(cudaMemcpyAsync(a.ptr_, host.data(), host.size_bytes(), cudaMemcpyHostToDevice,
-                                   exec.stream()));
-    }
-    return a;
-  }
-  // Zero-filled.
-  static DeviceArray zeros(const Cuda& exec, std::size_t n) {
-    DeviceArray a(exec, n);
-    if (n != 0) DTE_CUDA_TRY(cudaMemsetAsync(a.ptr_, 0, n * sizeof(T), exec.stream()));
-    return a;
-  }
-
-  [[nodiscard]] T* data() const noexcept { return ptr_; }
-  [[nodiscard]] std::size_t size() const noexcept { return n_; }
-  [[nodiscard]] std::size_t bytes() const noexcept { return n_ * sizeof(T); }
-
-  // Its contents, copied to the host (synchronises the stream).
-  [[nodiscard]] std::vector<T> to_host() const {
-    std::vector<T> out(n_);
-    if (n_ != 0) {
-      DTE_CUDA_TRY(
-          cudaMemcpyAsync(out.data(), ptr_, bytes(), cudaMemcpyDeviceToHost, exec_.stream()));
-      exec_.synchronize();
-    }
-    return out;
-  }
-
- private:
-  void reset() noexcept {
-    if (ptr_ != nullptr) exec_.deallocate(ptr_, bytes());
-    ptr_ = nullptr;
-    n_ = 0;
-  }
-  Cuda exec_{};
-  std::size_t n_ = 0;
-  T* ptr_ = nullptr;
-};
+using DeviceArray = BasicDeviceArray<Cuda, T>;
 
 // Grow-only page-locked host memory: device-to-host copies into it are truly asynchronous, so
 // several can be enqueued and waited for with one synchronisation.

@@ -21,9 +21,10 @@
 //   5. apply   (receiver side, apply_entries): a check kernel refuses an entry outside the
 //      receiver's live elements before anything is written; then scatter into the caller's live
 //      BF16 tensors and update the receiver's digest by what is overwritten and written.
-// This file is host code written once for every device executor: what it asks of E (memory,
-// launches, CUB's algorithms) goes through exec::device_ops<E>, and every kernel's body is a
-// DTE_HOST_DEVICE functor (pipeline/device_kernels.hpp). On a GPU pipeline/device.cuh gives it
+// This file is host code written once for every device executor: what it asks of E goes through
+// E's memory (concepts.hpp: device_memory; exec::BasicDeviceArray) and exec::device_ops<E>
+// (launches, CUB's algorithms), and every kernel's body is a DTE_HOST_DEVICE functor
+// (pipeline/device_kernels.hpp). On a GPU pipeline/device.cuh gives it
 // exec::Cuda's ops (exec/cuda_device_ops.cuh); in CI the host twin runs these same stages, the
 // same bodies and the same orchestration, on the CPU (ctest -L device-on-host).
 #pragma once
@@ -41,6 +42,7 @@
 #include "dte/concepts.hpp"
 #include "dte/core/digest.hpp"
 #include "dte/error.hpp"
+#include "dte/exec/device_array.hpp"
 #include "dte/layout/hf.hpp"
 #include "dte/layout/plan.hpp"
 #include "dte/layout/serving.hpp"
@@ -55,7 +57,7 @@ namespace dte::pipeline::device {
 
 // The executor's arrays and pinned host buffers.
 template <class E, class T>
-using Array = typename exec::device_ops<E>::template array<T>;
+using Array = exec::BasicDeviceArray<E, T>;
 template <class E>
 using Pinned = typename exec::device_ops<E>::pinned;
 
@@ -97,7 +99,7 @@ template <device_executor E>
 std::int64_t invalid_segment(const E& e, const DeviceTables<E>& t, const DetectResult& r) {
   if (r.first_invalid_item == ~0ull) return -1;
   WorkItem item{};
-  exec::device_ops<E>::read(e, &item, t.items.data() + r.first_invalid_item, sizeof item);
+  exec::read(e, &item, t.items.data() + r.first_invalid_item, sizeof item);
   return item.segment;
 }
 
@@ -175,11 +177,11 @@ PendingDetect<E> detect_async(const E& e, const DeviceTables<E>& t, const Kernel
   p.receivers_ = receivers;
   if (t.n_items == 0) return p;
   const std::size_t words = (static_cast<std::size_t>(t.shard_size) + 63) / 64;
-  Ops::fill(e, send, 0, words * 8);
+  e.fill(send, 0, words * 8);
   p.counts_ = Array<E, std::byte>::zeros(e, p.bytes());
   std::byte* d = p.counts_.data();
   auto* totals = reinterpret_cast<DetectTotals*>(d);
-  Ops::fill(e, &totals->first_invalid_item, 0xFF, 8);
+  e.fill(&totals->first_invalid_item, 0xFF, 8);
   const DetectItems<Detect, Kernel> body{
       t.items.data(),
       t.n_items,
@@ -195,7 +197,7 @@ PendingDetect<E> detect_async(const E& e, const DeviceTables<E>& t, const Kernel
       reinterpret_cast<unsigned long long*>(d + p.receivers_at())};
   Ops::template each_warp<block_threads>(e, body, std::uint64_t{t.n_items} * block_threads);
   std::byte* h = pinned.reserve(p.bytes());
-  Ops::to_host(e, h, d, p.bytes());
+  e.download(h, d, p.bytes());
   p.host_ptr_ = h;
   p.launched_ = true;
   return p;
@@ -252,7 +254,7 @@ RouteTotals route_and_bucket(const E& e, const DeviceTables<E>& t, const float* 
     auto* h = reinterpret_cast<std::uint64_t*>(staging.reserve(8 * from.size()));
     std::size_t i = 0;
     for (const void* p : from) {
-      Ops::to_host(e, h + i++, p, 8);
+      e.download(h + i++, p, 8);
     }
     e.synchronize();
     return h;
@@ -323,10 +325,10 @@ RouteTotals route_and_bucket(const E& e, const DeviceTables<E>& t, const float* 
     auto* host_tensor = reinterpret_cast<std::uint32_t*>(h + head);
     auto* host_index = host_tensor + entries;
     auto* host_bits = reinterpret_cast<std::uint16_t*>(host_index + entries);
-    Ops::to_host(e, end_at, ends.data(), 8 * receivers);
-    Ops::to_host(e, host_tensor, out_tensor.data(), 4 * entries);
-    Ops::to_host(e, host_index, out_index.data(), 4 * entries);
-    Ops::to_host(e, host_bits, out_bits.data(), 2 * entries);
+    e.download(end_at, ends.data(), 8 * receivers);
+    e.download(host_tensor, out_tensor.data(), 4 * entries);
+    e.download(host_index, out_index.data(), 4 * entries);
+    e.download(host_bits, out_bits.data(), 2 * entries);
     e.synchronize();
     bucket_bounds(end_at, receivers, offset, count);
     for (std::size_t r = 0; r < receivers; ++r)
@@ -388,7 +390,7 @@ void apply_entries(const E& e, DeviceReceiver<E>& r, const std::uint32_t* tensor
   using Ops = exec::device_ops<E>;
   if (n == 0) return;
   auto first_bad = Array<E, unsigned long long>(e, 1);
-  Ops::fill(e, first_bad.data(), 0xFF, 8);
+  e.fill(first_bad.data(), 0xFF, 8);
   Ops::template each_thread<block_threads>(
       e,
       CheckEntries{tensor, index, r.n_tensors, r.live_end.data(), r.sources.data(), r.n_sources,
@@ -397,8 +399,8 @@ void apply_entries(const E& e, DeviceReceiver<E>& r, const std::uint32_t* tensor
   const unsigned long long bad = first_bad.to_host()[0];
   if (bad != ~0ull) {
     std::uint32_t t = 0, i = 0;
-    Ops::read(e, &t, tensor + bad, 4);
-    Ops::read(e, &i, index + bad, 4);
+    exec::read(e, &t, tensor + bad, 4);
+    exec::read(e, &i, index + bad, 4);
     throw protocol_error("dte::pipeline::device::apply_entries: entry " + std::to_string(bad) +
                          " writes element " + std::to_string(i) + " of receiver tensor " +
                          std::to_string(t) +
@@ -432,7 +434,7 @@ void gather_changed(const E& e, const DeviceTables<E>& t, const Kernel* kernels,
                     const float* const* weights, const std::uint64_t* send, std::int64_t begin,
                     std::int64_t n, ChangedBatch<E>& batch) {
   using Ops = exec::device_ops<E>;
-  Ops::fill(e, batch.count.data(), 0, 8);
+  e.fill(batch.count.data(), 0, 8);
   if (n == 0) return;
   (void)Ops::select_flagged(e, std::uint32_t{0}, n, detail::BitFrom{send, begin},
                             batch.offset.data(), batch.count.data());
@@ -489,7 +491,7 @@ class SenderPipeline {
   // Clears the K-step dirty masks (after a refused publication: the next one is full).
   void clear_masks() {
     for (auto& m : mask_) {
-      if (m.size() != 0) Ops::fill(exec_, m.data(), 0, m.bytes());
+      if (m.size() != 0) exec_.fill(m.data(), 0, m.bytes());
     }
   }
   [[nodiscard]] std::uint64_t mask_bytes() const noexcept {
@@ -616,7 +618,7 @@ class SenderPipeline {
       const std::int64_t n = std::min(batch_size, shard - begin);
       gather_changed<Detect>(exec_, tables_[x], kernels, weights_[x].data(), send_[x].data(), begin,
                              n, batch);
-      Ops::to_host(exec_, count, batch.count.data(), 8);
+      exec_.download(count, batch.count.data(), 8);
       exec_.synchronize();
       const auto k = static_cast<std::size_t>(*count);
       if (k > capacity) {
@@ -625,10 +627,10 @@ class SenderPipeline {
                     "; report this");
       }
       if (k == 0) continue;
-      Ops::to_host(exec_, offset, batch.offset.data(), 4 * k);
-      Ops::to_host(exec_, bits, batch.bits.data(), 2 * k);
+      exec_.download(offset, batch.offset.data(), 4 * k);
+      exec_.download(bits, batch.bits.data(), 2 * k);
       if (with_previous) {
-        Ops::to_host(exec_, previous, batch.previous.data(), sizeof(PreviousBits) * k);
+        exec_.download(previous, batch.previous.data(), sizeof(PreviousBits) * k);
       }
       exec_.synchronize();
       f(begin, std::span<const std::uint32_t>(offset, k), std::span<const std::uint16_t>(bits, k),

@@ -22,12 +22,11 @@
 #include <memory>
 #include <span>
 #include <string>
-#include <type_traits>
-#include <utility>
 #include <vector>
 
 #include "dte/concepts.hpp"
 #include "dte/error.hpp"
+#include "dte/exec/device_array.hpp"
 #include "dte/exec/scan.hpp"
 #include "dte/exec/simt.hpp"
 
@@ -78,7 +77,7 @@ class SimtHost {
   void synchronize() const noexcept {}
 
   // The "device" memory of an array: `bytes` of 0xA5.
-  [[nodiscard]] std::byte* allocate(std::size_t bytes) const {
+  [[nodiscard]] void* allocate(std::size_t bytes) const {
     if (bytes == 0) return nullptr;
     auto* p = new std::byte[bytes];
     std::memset(p, 0xA5, bytes);
@@ -87,69 +86,26 @@ class SimtHost {
     ++stats_->allocations;
     return p;
   }
-  void deallocate(std::byte* p, std::size_t bytes) const noexcept {
+  void deallocate(void* p, std::size_t bytes) const noexcept {
     if (p == nullptr) return;
     stats_->held -= bytes;
-    delete[] p;
+    delete[] static_cast<std::byte*>(p);
+  }
+  // Copies and fills happen when they are enqueued.
+  void upload(void* device, const void* host, std::size_t bytes) const noexcept {
+    std::memcpy(device, host, bytes);
+  }
+  void download(void* host, const void* device, std::size_t bytes) const noexcept {
+    std::memcpy(host, device, bytes);
+  }
+  void fill(void* device, int byte, std::size_t bytes) const noexcept {
+    std::memset(device, byte, bytes);
   }
 
  private:
   unsigned max_blocks_;
   std::uint64_t scratch_limit_;
   std::shared_ptr<SimtHostStats> stats_;
-};
-
-// n elements of T in a SimtHost's memory: exec::DeviceArray's interface. Move-only.
-template <class T>
-class SimtHostArray {
-  static_assert(std::is_trivially_copyable_v<T>);
-
- public:
-  SimtHostArray() = default;
-  SimtHostArray(const SimtHost& e, std::size_t n)
-      : exec_(e), n_(n), ptr_(e.allocate(n * sizeof(T))) {}
-  SimtHostArray(SimtHostArray&& o) noexcept
-      : exec_(o.exec_), n_(std::exchange(o.n_, 0)), ptr_(std::exchange(o.ptr_, nullptr)) {}
-  SimtHostArray& operator=(SimtHostArray&& o) noexcept {
-    if (this != &o) {
-      reset();
-      exec_ = o.exec_;
-      n_ = std::exchange(o.n_, 0);
-      ptr_ = std::exchange(o.ptr_, nullptr);
-    }
-    return *this;
-  }
-  ~SimtHostArray() { reset(); }
-
-  static SimtHostArray copy_of(const SimtHost& e, std::span<const T> host) {
-    SimtHostArray a(e, host.size());
-    if (!host.empty()) std::memcpy(a.ptr_, host.data(), host.size_bytes());
-    return a;
-  }
-  static SimtHostArray zeros(const SimtHost& e, std::size_t n) {
-    SimtHostArray a(e, n);
-    if (n != 0) std::memset(a.ptr_, 0, n * sizeof(T));
-    return a;
-  }
-
-  [[nodiscard]] T* data() const noexcept { return reinterpret_cast<T*>(ptr_); }
-  [[nodiscard]] std::size_t size() const noexcept { return n_; }
-  [[nodiscard]] std::size_t bytes() const noexcept { return n_ * sizeof(T); }
-  [[nodiscard]] std::vector<T> to_host() const {
-    std::vector<T> out(n_);
-    if (n_ != 0) std::memcpy(out.data(), ptr_, bytes());
-    return out;
-  }
-
- private:
-  void reset() noexcept {
-    exec_.deallocate(ptr_, bytes());
-    ptr_ = nullptr;
-    n_ = 0;
-  }
-  SimtHost exec_{};
-  std::size_t n_ = 0;
-  std::byte* ptr_ = nullptr;
 };
 
 // Grow-only host memory standing for exec::PinnedBuffer (old contents not kept: 0x5A).
@@ -171,26 +127,8 @@ namespace dte::exec {
 
 template <>
 struct device_ops<sim::SimtHost> {
-  template <class T>
-  using array = sim::SimtHostArray<T>;
   using pinned = sim::SimtHostPinned;
 
-  template <class K, class V>
-  struct SortedPairs {
-    K* keys;
-    V* values;
-    std::size_t temp_bytes;
-  };
-
-  static void fill(const sim::SimtHost&, void* p, int byte, std::size_t bytes) {
-    std::memset(p, byte, bytes);
-  }
-  static void to_host(const sim::SimtHost&, void* host, const void* device, std::size_t bytes) {
-    std::memcpy(host, device, bytes);
-  }
-  static void read(const sim::SimtHost& e, void* host, const void* device, std::size_t bytes) {
-    to_host(e, host, device, bytes);
-  }
   // Every pointer is readable here; a null one is refused as on a GPU.
   static void check_readable(const char* who, const char* name, const void* p) {
     if (p == nullptr) {
