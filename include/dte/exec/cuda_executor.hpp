@@ -21,7 +21,7 @@
 #include "dte/concepts.hpp"
 #include "dte/error.hpp"
 #include "dte/exec/device_array.hpp"
-#include "dte/exec/scan.hpp"
+#include "dte/exec/serial_host_work.hpp"
 
 namespace dte {
 
@@ -158,9 +158,9 @@ inline constexpr std::uint64_t default_scratch_limit = 256ull << 20;
 
 // The CUDA executor: the pipeline's device stages (pipeline/device_stages.hpp) run on its stream,
 // in order, and take their scratch from its allocator. The executor concept's host primitives
-// (for_each, for_each_ordered, exclusive_scan) run on the calling thread: on this backend they
-// carry only per-tensor and per-receiver bookkeeping, never per-element work.
-class Cuda {
+// (for_each, for_each_ordered, exclusive_scan) run on the calling thread (SerialHostWork): on this
+// backend they carry only per-tensor and per-receiver bookkeeping, never per-element work.
+class Cuda : public detail::SerialHostWork {
  public:
   using executor_tag = void;
 
@@ -170,7 +170,6 @@ class Cuda {
       : stream_(stream), allocator_(allocator) {}
 
   [[nodiscard]] cudaStream_t stream() const noexcept { return stream_; }
-  [[nodiscard]] int threads() const noexcept { return 1; }
 
   // The device memory a sender's routing may hold at once (pipeline/route_batches.hpp: a shard
   // is routed in batches that fit it). Read when the sender is built.
@@ -179,23 +178,6 @@ class Cuda {
     Cuda c = *this;
     c.scratch_limit_ = bytes;
     return c;
-  }
-
-  template <class F>
-  void for_each(std::size_t n, F&& f) const {
-    for (std::size_t i = 0; i < n; ++i)
-      f(i, 0);
-  }
-  template <class Par, class Ser>
-  void for_each_ordered(std::size_t n, Par&& par, Ser&& ser) const {
-    for (std::size_t i = 0; i < n; ++i) {
-      par(i, 0);
-      ser(i, 0);
-    }
-  }
-  std::uint64_t exclusive_scan(std::span<const std::uint64_t> in,
-                               std::span<std::uint64_t> out) const noexcept {
-    return detail::exclusive_scan(in, out);
   }
 
   // Temporary device memory, ordered on the stream (usable by work enqueued after this call).

@@ -27,7 +27,7 @@
 #include "dte/concepts.hpp"
 #include "dte/error.hpp"
 #include "dte/exec/device_array.hpp"
-#include "dte/exec/scan.hpp"
+#include "dte/exec/serial_host_work.hpp"
 #include "dte/exec/simt.hpp"
 
 namespace dte::sim {
@@ -37,7 +37,7 @@ struct SimtHostStats {
   std::uint64_t held = 0, peak = 0, allocations = 0;
 };
 
-class SimtHost {
+class SimtHost : public exec::detail::SerialHostWork {
  public:
   using executor_tag = void;
 
@@ -47,7 +47,6 @@ class SimtHost {
         scratch_limit_(scratch_limit),
         stats_(std::make_shared<SimtHostStats>()) {}
 
-  [[nodiscard]] int threads() const noexcept { return 1; }
   [[nodiscard]] unsigned max_blocks() const noexcept { return max_blocks_; }
   [[nodiscard]] std::uint64_t scratch_limit() const noexcept { return scratch_limit_; }
   [[nodiscard]] SimtHost with_scratch_limit(std::uint64_t bytes) const {
@@ -58,22 +57,6 @@ class SimtHost {
   [[nodiscard]] const SimtHostStats& stats() const noexcept { return *stats_; }
   void reset_peak() const noexcept { stats_->peak = stats_->held; }
 
-  template <class F>
-  void for_each(std::size_t n, F&& f) const {
-    for (std::size_t i = 0; i < n; ++i)
-      f(i, 0);
-  }
-  template <class Par, class Ser>
-  void for_each_ordered(std::size_t n, Par&& par, Ser&& ser) const {
-    for (std::size_t i = 0; i < n; ++i) {
-      par(i, 0);
-      ser(i, 0);
-    }
-  }
-  std::uint64_t exclusive_scan(std::span<const std::uint64_t> in,
-                               std::span<std::uint64_t> out) const noexcept {
-    return exec::detail::exclusive_scan(in, out);
-  }
   void synchronize() const noexcept {}
 
   // The "device" memory of an array: `bytes` of 0xA5.
